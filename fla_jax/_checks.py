@@ -1,0 +1,101 @@
+"""Argument checks shared by the public ops. Every message names the argument, what it got and
+what was expected."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INPUT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def array(name: str, x, *, rank: int | None = None, floating: bool = True) -> jax.Array:
+    if isinstance(x, (int, float, bool)) or not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"`{name}` must be an array, got {type(x).__name__}")
+    if rank is not None and x.ndim != rank:
+        raise ValueError(f"`{name}` must have rank {rank}, got shape {tuple(x.shape)}")
+    if floating and jnp.dtype(x.dtype).name not in INPUT_DTYPES:
+        raise TypeError(f"`{name}` must have a floating dtype in {INPUT_DTYPES}, got {jnp.dtype(x.dtype).name}")
+    return jnp.asarray(x)
+
+
+def shape(name: str, x: jax.Array, expected: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"`{name}` must have shape {what} = {tuple(expected)}, got {tuple(x.shape)}")
+
+
+def qkv(q, k, v, *, grouped: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checks `q, k [B, T, H, K]` and `v [B, T, HV, V]` (HV == H unless `grouped`)."""
+    q = array("q", q, rank=4)
+    k = array("k", k, rank=4)
+    v = array("v", v, rank=4)
+    B, T, H, K = q.shape
+    shape("k", k, q.shape, "[B, T, H, K] like q")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"`q`, `k` and `v` must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if T < 1:
+        raise ValueError(f"the sequence length T must be >= 1, got q of shape {tuple(q.shape)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"`v` must have shape [B, T, HV, V] with B, T = {(B, T)} from q, got {tuple(v.shape)}")
+    HV = v.shape[2]
+    if grouped:
+        if HV % H:
+            raise ValueError(f"`v` heads HV = {HV} must be a multiple of the q/k heads H = {H}")
+    elif HV != H:
+        raise ValueError(f"`v` must have H = {H} heads like q, got shape {tuple(v.shape)}")
+    if K < 1 or v.shape[3] < 1:
+        raise ValueError(f"head dims must be >= 1, got K = {K}, V = {v.shape[3]}")
+    return q, k, v
+
+
+def gate(name: str, x, expected: tuple[int, ...], what: str) -> jax.Array:
+    x = array(name, x, rank=len(expected))
+    shape(name, x, expected, what)
+    return x
+
+
+def scale(scale, K: int) -> float:
+    if scale is None:
+        return K**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"`scale` must be a Python float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"`scale` must be finite, got {scale}")
+    return scale
+
+
+def cu_seqlens(cu, B: int, T: int) -> jax.Array | None:
+    """Checks `cu_seqlens [N + 1]`; values are checked too when they are concrete."""
+    if cu is None:
+        return None
+    cu = array("cu_seqlens", cu, rank=1, floating=False)
+    if not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise TypeError(f"`cu_seqlens` must have an integer dtype, got {cu.dtype}")
+    if cu.shape[0] < 2:
+        raise ValueError(f"`cu_seqlens` must have shape [N + 1] with N >= 1, got {tuple(cu.shape)}")
+    if B != 1:
+        raise ValueError(f"with `cu_seqlens` the batch size B must be 1 (sequences packed along T), got B = {B}")
+    try:
+        values = np.asarray(cu)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None
+    if values is not None:
+        if values[0] != 0 or values[-1] != T or np.any(np.diff(values) < 0):
+            raise ValueError(f"`cu_seqlens` must start at 0, end at T = {T} and not decrease, got {values.tolist()}")
+    return cu.astype(jnp.int32)
+
+
+def initial_state(h0, N: int, H: int, K: int, V: int, what: str) -> jax.Array | None:
+    if h0 is None:
+        return None
+    h0 = array("initial_state", h0, rank=4)
+    shape("initial_state", h0, (N, H, K, V), what)
+    return h0
+
+
+def chunk_size(c) -> int:
+    if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c not in (16, 32, 64, 128):
+        raise ValueError(f"`chunk_size` must be one of (16, 32, 64, 128), got {c!r}")
+    return int(c)

@@ -1,0 +1,212 @@
+"""The four chunked linear-attention ops, with the meaning they have in fla 0.6.0.
+
+Layout `[B, T, H, K]` for q and k, `[B, T, H, V]` for v; gates are per-step natural-log decays.
+Per head, with state S in R^{K x V} (initially `initial_state`, else zeros):
+
+* `chunk_simple_gla`:        `S = exp(g_t) S + k_t v_t^T`
+* `chunk_gla`:               `S = Diag(exp(g_t)) S + k_t v_t^T`
+* `chunk_delta_rule`:        `S = S + k_t (beta_t (v_t - S^T k_t))^T`
+* `chunk_gated_delta_rule`:  `S = exp(g_t) S`, then the delta-rule update
+
+and every op outputs `o_t = scale * S^T q_t` (after the update at step t). `o` has q's dtype; the
+final state is float32 `[N, H, K, V]` (N = B, or the number of sequences with `cu_seqlens`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fla_jax import _backends, _checks
+from fla_jax._problem import Problem
+
+Array = jax.Array
+
+
+def _l2norm(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size, backend, l2norm=False):
+    """Checks what is common, reduces the call to a `Problem` and runs the chosen backend."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    scale = _checks.scale(scale, K)
+    cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    what = "[N, H, K, V]" + (" (N = number of sequences in cu_seqlens)" if cu_seqlens is not None else " (N = B)")
+    h0 = _checks.initial_state(initial_state, N, HV, K, V, what)
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"`output_final_state` must be a bool, got {type(output_final_state).__name__}")
+    if not isinstance(l2norm, bool):
+        raise TypeError(f"`use_qk_l2norm_in_kernel` must be a bool, got {type(l2norm).__name__}")
+    problem = Problem(op=op, delta=beta is not None, chunk_size=chunk_size, dtype=jnp.dtype(q.dtype).name)
+    run = _backends.resolve(backend, problem)
+
+    cdt, q_dtype = problem.compute_dtype, q.dtype
+    q, k = q.astype(cdt), k.astype(cdt)
+    if l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * jnp.asarray(scale, cdt)
+    if HV != H:
+        q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
+    g = None if g is None else g.astype(cdt)
+    beta = None if beta is None else beta.astype(cdt)
+    state = jnp.zeros((N, HV, K, V), cdt) if h0 is None else h0.astype(cdt)
+    o, ht = run(problem, q, k, v, g, beta, state, cu_seqlens)
+    return o.astype(q_dtype), (ht if output_final_state else None)
+
+
+def chunk_simple_gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array | None = None,
+    g_gamma: Array | None = None,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Array | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[Array, Array | None]:
+    """Simple GLA: linear attention with a scalar decay per head and step.
+
+    Args:
+      q: queries `[B, T, H, K]` (bfloat16, float16, float32 or float64).
+      k: keys `[B, T, H, K]`, q's dtype.
+      v: values `[B, T, H, V]`, q's dtype.
+      g: log decays `[B, T, H]` (float32 preferred), or None.
+      g_gamma: constant log decay per head `[H]`, or None. At most one of `g`, `g_gamma`;
+        with neither there is no decay.
+      scale: multiplies q; defaults to `K ** -0.5`.
+      initial_state: `[N, H, K, V]` states to start from (N = B, or the number of sequences).
+      output_final_state: return the final states `[N, H, K, V]`.
+      cu_seqlens: int32 `[N + 1]` sequence boundaries for packed input (B must be 1); may be
+        traced under `jit`, only its length is static.
+      chunk_size: chunk length of the chunked backends, one of 16, 32, 64, 128.
+      backend: "auto", "reference", "xla" or "tilelang" (see `fla_jax.backends()`).
+
+    Returns:
+      `o [B, T, H, V]` in q's dtype, and the final state (or None).
+
+    Raises:
+      ValueError, TypeError: an argument of the wrong shape, dtype or value (the message names it).
+    """
+    q, k, v = _checks.qkv(q, k, v, grouped=False)
+    B, T, H, K = q.shape
+    if g is not None and g_gamma is not None:
+        raise ValueError("pass at most one of `g` ([B, T, H]) and `g_gamma` ([H]), got both")
+    if g is not None:
+        g = _checks.gate("g", g, (B, T, H), "[B, T, H]")
+    elif g_gamma is not None:
+        g_gamma = _checks.gate("g_gamma", g_gamma, (H,), "[H]")
+        g = jnp.broadcast_to(g_gamma.astype(jnp.promote_types(g_gamma.dtype, jnp.float32)), (B, T, H))
+    chunk_size = _checks.chunk_size(chunk_size)
+    return _run(
+        "simple_gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend,
+    )
+
+
+def chunk_gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Array | None = None,
+    backend: str = "auto",
+) -> tuple[Array, Array | None]:
+    """GLA: linear attention with a decay per key channel.
+
+    Args:
+      q, k: `[B, T, H, K]`; v: `[B, T, H, V]`, one floating dtype.
+      g: log decays `[B, T, H, K]` (float32 preferred).
+      scale, initial_state, output_final_state, cu_seqlens, backend: as in `chunk_simple_gla`.
+
+    Returns:
+      `o [B, T, H, V]` in q's dtype, and the final state `[N, H, K, V]` (or None).
+    """
+    q, k, v = _checks.qkv(q, k, v, grouped=False)
+    g = _checks.gate("g", g, q.shape, "[B, T, H, K]")
+    return _run(
+        "gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=64, backend=backend,
+    )
+
+
+def chunk_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    beta: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Array | None = None,
+    backend: str = "auto",
+) -> tuple[Array, Array | None]:
+    """Delta rule: `S = S + k_t (beta_t (v_t - S^T k_t))^T`.
+
+    Args:
+      q, k: `[B, T, H, K]`; v: `[B, T, H, V]`, one floating dtype. Without l2 normalisation the
+        keys should have norm <= 1 for a stable recurrence, as in fla.
+      beta: write strengths `[B, T, H]`.
+      use_qk_l2norm_in_kernel: normalise q and k as `x / sqrt(sum(x^2) + 1e-6)` inside the op.
+      scale, initial_state, output_final_state, cu_seqlens, backend: as in `chunk_simple_gla`.
+
+    Returns:
+      `o [B, T, H, V]` in q's dtype, and the final state `[N, H, K, V]` (or None).
+    """
+    q, k, v = _checks.qkv(q, k, v, grouped=False)
+    B, T, H, _ = q.shape
+    beta = _checks.gate("beta", beta, (B, T, H), "[B, T, H]")
+    return _run(
+        "delta_rule", q, k, v, None, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=64, backend=backend,
+        l2norm=use_qk_l2norm_in_kernel,
+    )
+
+
+def chunk_gated_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Array | None = None,
+    backend: str = "auto",
+) -> tuple[Array, Array | None]:
+    """Gated delta rule (GDN): `S = exp(g_t) S`, then the delta-rule update.
+
+    Grouped values: v, g and beta may have HV heads, a multiple of q/k's H; value head j then
+    reads q/k head `j // (HV / H)`.
+
+    Args:
+      q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`, one floating dtype.
+      g: log decays `[B, T, HV]`.
+      beta: write strengths `[B, T, HV]`.
+      initial_state: `[N, HV, K, V]`.
+      use_qk_l2norm_in_kernel, scale, output_final_state, cu_seqlens, backend: as in
+        `chunk_delta_rule`.
+
+    Returns:
+      `o [B, T, HV, V]` in q's dtype, and the final state `[N, HV, K, V]` (or None).
+    """
+    q, k, v = _checks.qkv(q, k, v, grouped=True)
+    B, T, HV = v.shape[:3]
+    g = _checks.gate("g", g, (B, T, HV), "[B, T, HV]")
+    beta = _checks.gate("beta", beta, (B, T, HV), "[B, T, HV]")
+    return _run(
+        "gated_delta_rule", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=64, backend=backend,
+        l2norm=use_qk_l2norm_in_kernel,
+    )

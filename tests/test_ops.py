@@ -1,0 +1,42 @@
+"""Every backend against the independent float64 recurrence: o, final state and every gradient."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from cases import loss_and_outputs, make_inputs
+from check import err_ratio, reference_grads
+from grid import CASES
+
+# Relative RMS error allowed, by input dtype. Low-precision inputs get o rounded to their dtype,
+# and the cotangent of o rounded likewise, so every gradient carries that rounding too.
+TOL = {"float32": 5e-5, "float16": 1e-3, "bfloat16": 5e-3, "float64": 1e-10}
+STATE_TOL = 5e-5  # the final state is float32 whatever the inputs
+
+SEED = int(os.environ.get("FLA_JAX_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+
+
+def pytest_report_header():
+    return f"fla_jax test seed: FLA_JAX_TEST_SEED={SEED}"
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_float64_recurrence(case, backend):
+    seed = SEED + hash(str(case)) % 1000
+    diff, cot = make_inputs(case, seed)
+    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    grads, (o, ht) = loss_and_outputs(case, backend)(diff, cot)
+    tol = TOL[case.dtype]
+    assert o.dtype == diff["q"].dtype and o.shape == ref_o.shape
+    assert ht.dtype == np.float32 and ht.shape == ref_ht.shape
+    errors = {"o": (err_ratio(ref_o, o), tol), "ht": (err_ratio(ref_ht, ht), STATE_TOL)}
+    assert set(grads) == set(diff)
+    for name in diff:
+        assert grads[name].shape == diff[name].shape and grads[name].dtype == diff[name].dtype, name
+        errors["d" + name] = (err_ratio(ref_g[name], grads[name]), tol)
+    bad = {n: f"{e:.2e} > {t:.0e}" for n, (e, t) in errors.items() if not e <= t}
+    assert not bad, f"seed {seed}: {bad}"
