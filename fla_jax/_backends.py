@@ -52,3 +52,10 @@ def resolve(name: str, problem: Problem) -> Callable:
     if not status.usable:
         raise BackendUnavailableError(f"backend {name!r} cannot run {problem.op}: {status.reason}")
     return {"reference": reference.run, "xla": xla.run}[name]
+
+
+def resolve_name(name: str) -> str:
+    """The backend "auto" stands for here (other names are returned as they are, if valid)."""
+    if not isinstance(name, str) or name not in NAMES:
+        raise ValueError(f"`backend` must be one of {NAMES}, got {name!r}")
+    return "xla" if name == "auto" else name
