@@ -14,10 +14,12 @@ final state is float32 `[N, H, K, V]` (N = B, or the number of sequences with `c
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from fla_jax import _backends, _checks
+from fla_jax import _backends, _checks, _sharding
 from fla_jax._problem import Problem
 
 Array = jax.Array
@@ -43,7 +45,16 @@ def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_s
     problem = Problem(op=op, delta=beta is not None, chunk_size=chunk_size, dtype=jnp.dtype(q.dtype).name)
     run = _backends.resolve(backend, problem)
 
-    cdt, q_dtype = problem.compute_dtype, q.dtype
+    args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "cu_seqlens": cu_seqlens}
+    o, ht = _sharding.apply(functools.partial(_compute, run, problem, scale, l2norm), args, varlen=cu_seqlens is not None)
+    return o, (ht if output_final_state else None)
+
+
+def _compute(run, problem, scale, l2norm, *, q, k, v, g, beta, initial_state, cu_seqlens):
+    """The op on (per-device) arrays: l2 norm, scale and grouped heads, then the backend."""
+    H, HV = q.shape[2], v.shape[2]
+    cdt = problem.compute_dtype
+    o_dtype = q.dtype
     q, k = q.astype(cdt), k.astype(cdt)
     if l2norm:
         q, k = _l2norm(q), _l2norm(k)
@@ -52,9 +63,11 @@ def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_s
         q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
     g = None if g is None else g.astype(cdt)
     beta = None if beta is None else beta.astype(cdt)
-    state = jnp.zeros((N, HV, K, V), cdt) if h0 is None else h0.astype(cdt)
-    o, ht = run(problem, q, k, v, g, beta, state, cu_seqlens)
-    return o.astype(q_dtype), (ht if output_final_state else None)
+    if initial_state is None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        initial_state = jnp.zeros((N, HV, q.shape[3], v.shape[3]), cdt)
+    o, ht = run(problem, q, k, v, g, beta, initial_state.astype(cdt), cu_seqlens)
+    return o.astype(o_dtype), ht
 
 
 def chunk_simple_gla(

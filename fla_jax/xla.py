@@ -122,11 +122,18 @@ def _intra_channel(q, k, G):
     below = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # [I, J]: J < I
     kf = k4[..., None, :, :, :] * _masked_exp(ref[..., :, None, :, :] - G4[..., None, :, :, :], below[:, :, None, None])
     a_off = jnp.einsum("...Iik,...IJjk->...IiJj", qf, kf)
-    dd = G4[..., :, :, None, :] - G4[..., :, None, :, :]
-    a_diag = jnp.sum(q4[..., :, None, :] * k4[..., None, :, :] * _masked_exp(dd, _tril(s)[..., None]), axis=-1)
+    a_diag = _intra_diag(q4, k4, G4)
     eye = jnp.eye(n, dtype=q.dtype)[:, None, :, None]
     a = a_off + eye * a_diag[..., :, :, None, :]
     return a.reshape(*lead, C, C)
+
+
+@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+def _intra_diag(q4, k4, G4):
+    """Diagonal sub-blocks elementwise, `[..., n, s, s]`; rematerialised so that differentiating it
+    never stores the `[..., s, s, K]` decay tensor."""
+    dd = G4[..., :, :, None, :] - G4[..., :, None, :, :]
+    return jnp.sum(q4[..., :, None, :] * k4[..., None, :, :] * _masked_exp(dd, _tril(q4.shape[-2])[..., None]), axis=-1)
 
 
 def _gated_states(a, U, table, reset, seq):

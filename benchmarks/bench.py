@@ -1,0 +1,203 @@
+"""Times fwd and fwd+bwd of fla_jax's backends beside fla's Triton kernels and
+jax-linear-attention's kernels, in one process, and prints a table (JSON with --json).
+
+    python benchmarks/bench.py --ops simple_gla,gdn --shapes 4x4096x16x128 --impls fla_jax:xla,jla:mosaic_gpu,fla
+
+Inputs: bf16 q/k/v, float32 gates, K = V = D, no initial state; the delta rules take
+`use_qk_l2norm_in_kernel=True` (jla's `use_qk_l2norm=True`) in every library. JAX timings: the
+median over 10 repetitions of (10 back-to-back calls, then `block_until_ready`) / 10, after
+warm-up; torch timings: `triton.testing.do_bench` median. fla's gated backward is refused on
+Triton < 3.7.1 on Hopper (its issue #640); `--lift-fla-check` lifts that for timing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+OPS = ("simple_gla", "gla", "delta_rule", "gated_delta_rule")
+ALIASES = {"gdn": "gated_delta_rule", "delta": "delta_rule"}
+ISSUE_SHAPES = ((4, 4096, 16, 128), (2, 8192, 16, 128), (4, 4096, 8, 256), (8, 2048, 16, 64))
+
+
+def make_inputs(op, B, T, H, D, seed=0):
+    rng = np.random.default_rng(seed)
+    x = {
+        "q": rng.standard_normal((B, T, H, D), np.float32),
+        "k": rng.standard_normal((B, T, H, D), np.float32),
+        "v": rng.standard_normal((B, T, H, D), np.float32),
+        "do": rng.standard_normal((B, T, H, D), np.float32),
+    }
+    logsig = lambda a: -np.logaddexp(0, -a)
+    if op == "gla":
+        x["g"] = (logsig(rng.standard_normal((B, T, H, D))) / 16).astype(np.float32)
+    elif op in ("simple_gla", "gated_delta_rule"):
+        x["g"] = logsig(rng.standard_normal((B, T, H))).astype(np.float32)
+    if op in ("delta_rule", "gated_delta_rule"):
+        x["beta"] = (1 / (1 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32)
+    return x
+
+
+# ----------------------------------------------------------------------------- JAX side
+
+
+def _jax_time(fn, args, reps=10, inner=10):
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner * 1e3)
+    return statistics.median(times)
+
+
+def _jax_fns(impl, op):
+    """`(call(q, k, v, g, beta) -> o, names of differentiable gates)` for one JAX implementation."""
+    import jax.numpy as jnp
+
+    lib, _, backend = impl.partition(":")
+    if lib == "fla_jax":
+        import fla_jax
+
+        f = {
+            "simple_gla": lambda q, k, v, g, beta: fla_jax.chunk_simple_gla(q, k, v, g, backend=backend),
+            "gla": lambda q, k, v, g, beta: fla_jax.chunk_gla(q, k, v, g, backend=backend),
+            "delta_rule": lambda q, k, v, g, beta: fla_jax.chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True, backend=backend),
+            "gated_delta_rule": lambda q, k, v, g, beta: fla_jax.chunk_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend
+            ),
+        }[op]
+        return lambda *a: f(*a)[0]
+    if lib == "jla":
+        from jla import ops
+
+        kind = {"simple_gla": "simple_gla", "gla": "gla", "delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet"}[op]
+
+        def f(q, k, v, g, beta):
+            kw = {}
+            if g is not None:
+                kw["g"] = g
+            if beta is not None:
+                kw["beta"] = beta
+                kw["use_qk_l2norm"] = True
+            return ops.linear_attention(kind, q, k, v, impl=backend, **kw)[0]
+
+        return f
+    raise ValueError(f"unknown JAX implementation {impl!r}")
+
+
+def bench_jax(impl, op, shape):
+    import jax
+    import jax.numpy as jnp
+
+    x = make_inputs(op, *shape)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    q, k, v, do = bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["do"])
+    g = None if "g" not in x else jnp.asarray(x["g"])
+    beta = None if "beta" not in x else jnp.asarray(x["beta"])
+    call = _jax_fns(impl, op)
+    fwd = jax.jit(call)
+    argnums = (0, 1, 2) + ((3,) if g is not None else ()) + ((4,) if beta is not None else ())
+    fwdbwd = jax.jit(jax.grad(lambda q, k, v, g, beta: jnp.sum(call(q, k, v, g, beta).astype(jnp.float32) * do), argnums=argnums))
+    args = (q, k, v, g, beta)
+    return _jax_time(fwd, args), _jax_time(fwdbwd, args)
+
+
+# ----------------------------------------------------------------------------- torch side
+
+
+def bench_fla(op, shape, lift):
+    import torch
+    import triton
+
+    if lift:
+        import fla.ops.common.chunk_o as chunk_o
+
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+    from fla.ops.delta_rule import chunk_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gla import chunk_gla
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    x = make_inputs(op, *shape)
+    dev = "cuda"
+    t = lambda a, dt=torch.bfloat16: torch.tensor(a, device=dev, dtype=dt).requires_grad_(True)
+    q, k, v = t(x["q"]), t(x["k"]), t(x["v"])
+    do = torch.tensor(x["do"], device=dev, dtype=torch.bfloat16)
+    g = t(x["g"], torch.float32) if "g" in x else None
+    beta = t(x["beta"], torch.float32) if "beta" in x else None
+    call = {
+        "simple_gla": lambda: chunk_simple_gla(q, k, v, g),
+        "gla": lambda: chunk_gla(q, k, v, g),
+        "delta_rule": lambda: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True),
+        "gated_delta_rule": lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True),
+    }[op]
+    leaves = [a for a in (q, k, v, g, beta) if a is not None]
+
+    def fwd():
+        with torch.no_grad():
+            call()
+
+    def fwdbwd():
+        o, _ = call()
+        o.backward(do)
+
+    ms_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+    ms_b = triton.testing.do_bench(fwdbwd, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+    return ms_f, ms_b
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--shapes", default="issue", help="'issue' or BxTxHxD[,BxTxHxD...]")
+    ap.add_argument("--impls", default="fla_jax:xla,jla:mosaic_gpu,fla")
+    ap.add_argument("--lift-fla-check", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
+    shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    impls = args.impls.split(",")
+    rows = []
+    for impl in impls:  # fla last: its autotuning is slow
+        for op in ops:
+            for shape in shapes:
+                try:
+                    f, b = bench_fla(op, shape, args.lift_fla_check) if impl == "fla" else bench_jax(impl, op, shape)
+                    row = {"impl": impl, "op": op, "shape": shape, "fwd_ms": round(f, 4), "fwdbwd_ms": round(b, 4)}
+                except Exception as e:  # noqa: BLE001  (an unsupported combination is a row, not a crash)
+                    traceback.print_exc(limit=2)
+                    row = {"impl": impl, "op": op, "shape": shape, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.json:
+                    with open(args.json, "w") as fh:
+                        json.dump(rows, fh, indent=1)
+    print("\n| op | B,T,H,D | " + " | ".join(f"{i} fwd | {i} fwd+bwd" for i in impls) + " |")
+    print("|---|---|" + "---|---|" * len(impls))
+    for op in ops:
+        for shape in shapes:
+            cells = []
+            for impl in impls:
+                r = next(r for r in rows if r["impl"] == impl and r["op"] == op and r["shape"] == shape)
+                cells += ["-", "-"] if "error" in r else [f"{r['fwd_ms']:.3f}", f"{r['fwdbwd_ms']:.3f}"]
+            print(f"| {op} | {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
