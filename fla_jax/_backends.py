@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from fla_jax import reference, xla
+from fla_jax import reference, tilelang_backend, xla
 from fla_jax._problem import Problem
 
 NAMES = ("auto", "reference", "xla", "tilelang")
@@ -25,37 +25,55 @@ class BackendStatus:
         return f"{self.name}: " + ("usable" if self.usable else f"not usable ({self.reason})")
 
 
-def _tilelang_status() -> BackendStatus:
-    try:
-        from fla_jax import _ext  # noqa: F401  (built by build.py)
-    except ImportError as e:
-        return BackendStatus("tilelang", False, f"the TileLang CUDA kernels are not built into this install ({e})")
-    return BackendStatus("tilelang", False, "the TileLang kernels are not wired to the ops yet")
+@dataclasses.dataclass(frozen=True, slots=True)
+class Backend:
+    """A resolved backend. `raw` backends take q, k, v as given (not scaled, normalised or
+    expanded to the value heads, which they do themselves) and the scale as a keyword."""
+
+    name: str
+    run: Callable
+    raw: bool = False
+
+
+_PURE = {"reference": Backend("reference", reference.run), "xla": Backend("xla", xla.run)}
+_TILELANG = Backend("tilelang", tilelang_backend.run, raw=True)
 
 
 def backends() -> dict[str, BackendStatus]:
     """Says which backends are usable here and, for each one that is not, why."""
+    usable, reason = tilelang_backend.status()
     return {
         "reference": BackendStatus("reference", True),
         "xla": BackendStatus("xla", True),
-        "tilelang": _tilelang_status(),
+        "tilelang": BackendStatus("tilelang", usable, reason),
     }
 
 
-def resolve(name: str, problem: Problem) -> Callable:
-    """The run function of backend `name` for `problem` ("auto": the fastest usable one)."""
+def _check_name(name) -> None:
     if not isinstance(name, str) or name not in NAMES:
         raise ValueError(f"`backend` must be one of {NAMES}, got {name!r}")
+
+
+def resolve(name: str, problem: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2norm: bool) -> Backend:
+    """The backend `name` for this call ("auto": the fastest usable one that takes it)."""
+    _check_name(name)
+    if name in _PURE:
+        return _PURE[name]
+    usable, reason = tilelang_backend.status()
+    if usable:
+        reason = tilelang_backend.unsupported(problem, K, V, varlen)
+        if reason is None and (grouped or l2norm):
+            reason = "grouped heads and in-kernel l2 normalisation are not supported by the TileLang kernels yet"
+    if reason is None:
+        return _TILELANG
     if name == "auto":
-        return xla.run
-    status = backends()[name]
-    if not status.usable:
-        raise BackendUnavailableError(f"backend {name!r} cannot run {problem.op}: {status.reason}")
-    return {"reference": reference.run, "xla": xla.run}[name]
+        return _PURE["xla"]
+    raise BackendUnavailableError(f"backend 'tilelang' cannot run {problem.op}: {reason}")
 
 
 def resolve_name(name: str) -> str:
-    """The backend "auto" stands for here (other names are returned as they are, if valid)."""
-    if not isinstance(name, str) or name not in NAMES:
-        raise ValueError(f"`backend` must be one of {NAMES}, got {name!r}")
-    return "xla" if name == "auto" else name
+    """The backend "auto" stands for on this machine for the common case (demo and reports)."""
+    _check_name(name)
+    if name != "auto":
+        return name
+    return "tilelang" if tilelang_backend.status()[0] else "xla"

@@ -43,18 +43,25 @@ def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_s
     if not isinstance(l2norm, bool):
         raise TypeError(f"`use_qk_l2norm_in_kernel` must be a bool, got {type(l2norm).__name__}")
     problem = Problem(op=op, delta=beta is not None, chunk_size=chunk_size, dtype=jnp.dtype(q.dtype).name)
-    run = _backends.resolve(backend, problem)
+    run = _backends.resolve(
+        backend, problem, K=K, V=V, varlen=cu_seqlens is not None, grouped=HV != H, l2norm=l2norm
+    )
 
     args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "cu_seqlens": cu_seqlens}
     o, ht = _sharding.apply(functools.partial(_compute, run, problem, scale, l2norm), args, varlen=cu_seqlens is not None)
     return o, (ht if output_final_state else None)
 
 
-def _compute(run, problem, scale, l2norm, *, q, k, v, g, beta, initial_state, cu_seqlens):
+def _compute(backend, problem, scale, l2norm, *, q, k, v, g, beta, initial_state, cu_seqlens):
     """The op on (per-device) arrays: l2 norm, scale and grouped heads, then the backend."""
     H, HV = q.shape[2], v.shape[2]
     cdt = problem.compute_dtype
     o_dtype = q.dtype
+    if initial_state is None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        initial_state = jnp.zeros((N, HV, q.shape[3], v.shape[3]), cdt)
+    if backend.raw:
+        return backend.run(problem, q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
     q, k = q.astype(cdt), k.astype(cdt)
     if l2norm:
         q, k = _l2norm(q), _l2norm(k)
@@ -63,10 +70,7 @@ def _compute(run, problem, scale, l2norm, *, q, k, v, g, beta, initial_state, cu
         q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
     g = None if g is None else g.astype(cdt)
     beta = None if beta is None else beta.astype(cdt)
-    if initial_state is None:
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        initial_state = jnp.zeros((N, HV, q.shape[3], v.shape[3]), cdt)
-    o, ht = run(problem, q, k, v, g, beta, initial_state.astype(cdt), cu_seqlens)
+    o, ht = backend.run(problem, q, k, v, g, beta, initial_state.astype(cdt), cu_seqlens)
     return o.astype(o_dtype), ht
 
 

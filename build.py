@@ -1,0 +1,362 @@
+"""Builds fla_jax's CUDA kernels ahead of time, on a machine with or without a GPU.
+
+    python build.py [--jobs N] [--force]
+
+For every program of every variant in `kernels/variants.py`:
+
+1. lower the TileLang program for sm_90a (`{"kind": "cuda", "arch": "sm_90a"}`) and read the
+   lowered host function: kernel parameter order, grid and block expressions, dynamic shared
+   memory, and the arguments of every TMA descriptor;
+2. compile the device code to a cubin with nvcc (`-gencode arch=compute_90a,code=sm_90a`);
+3. generate an XLA FFI handler (`build/gen/<target>.cc`) that checks the buffers' dtypes and
+   shapes, binds the dynamic dims, encodes the TMA descriptors and launches the embedded cubin;
+
+then compiles `ffi/*.cc` with the generated handlers into one nanobind extension,
+`fla_jax/_ext.abi3.so` (stable ABI, Python >= 3.12), against jaxlib's FFI headers.
+
+Steps 1-2 are cached by a content hash (kernel sources, variants, this file), so an unchanged
+kernel is not rebuilt. Without nvcc or TileLang it says so and exits 1; fla_jax still imports
+and uses its pure-JAX backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+BUILD = ROOT / "build"
+GEN = BUILD / "gen"
+OBJ = BUILD / "obj"
+EXT = ROOT / "fla_jax" / "_ext.abi3.so"
+ARCH = ["-gencode", "arch=compute_90a,code=sm_90a"]
+DTYPE_ENUM = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int32": "S32"}
+SCALAR_C = {"float32": "float", "int32": "int32_t"}
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit: $CUDA_HOME, the folder of the nvcc on PATH, or /usr/local/cuda."""
+    candidates = [os.environ.get("CUDA_HOME", "")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if c and (Path(c) / "bin" / "nvcc").exists() and (Path(c) / "include" / "cuda.h").exists():
+            return Path(c)
+    return None
+
+
+def content_key(variant, program) -> str:
+    h = hashlib.sha256()
+    for f in sorted((ROOT / "kernels").rglob("*.py")) + [Path(__file__)]:
+        h.update(f.read_bytes())
+    h.update(repr((variant, program)).encode())
+    return h.hexdigest()[:20]
+
+
+# ----------------------------------------------------------------------------- lowering (workers)
+
+
+def _cexpr(e, tir) -> str:
+    """A TIR integer expression as C++ over `d_<var>` int64 values."""
+    if isinstance(e, int):
+        return f"int64_t({e})"
+    if isinstance(e, tir.IntImm):
+        return f"int64_t({e.value})"
+    if isinstance(e, tir.Var):
+        return f"d_{e.name}"
+    if isinstance(e, tir.Cast):
+        return f"int64_t({_cexpr(e.value, tir)})"
+    ops = {tir.Add: "+", tir.Sub: "-", tir.Mul: "*", tir.Div: "/", tir.Mod: "%"}
+    for cls, sym in ops.items():
+        if isinstance(e, cls):
+            return f"({_cexpr(e.a, tir)} {sym} {_cexpr(e.b, tir)})"
+    calls = {tir.FloorDiv: "fla::floordiv", tir.FloorMod: "fla::floormod", tir.Max: "std::max<int64_t>", tir.Min: "std::min<int64_t>"}
+    for cls, fn in calls.items():
+        if isinstance(e, cls):
+            return f"{fn}({_cexpr(e.a, tir)}, {_cexpr(e.b, tir)})"
+    raise NotImplementedError(f"build.py cannot print TIR expression {type(e).__name__}: {e}")
+
+
+def lower_one(variant, program, key: str) -> dict:
+    """Lowers one program, writes `<target>.cu`, returns its launch description (JSON-able)."""
+    import tilelang
+    from tilelang import tvm
+
+    tir = tvm.tirx
+    target_name = variant.target(program)
+    func = program.prim_func(variant)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        art = tilelang.lower(func, target=target)
+    (GEN / f"{target_name}.cu").write_text(art.kernel_source)
+
+    params = []
+    for p in func.params:
+        if p in func.buffer_map:
+            buf = func.buffer_map[p]
+            shape = [int(s) if isinstance(s, (int, tir.IntImm)) else s.name for s in buf.shape]
+            shape = [s.value if isinstance(s, tir.IntImm) else s for s in shape]
+            params.append({"name": buf.name, "data": buf.data.name, "kind": "buffer", "dtype": str(buf.dtype), "shape": shape})
+        else:
+            params.append({"name": p.name, "kind": "scalar", "dtype": str(p.dtype)})
+    unknown = set(program.outputs) - {p["name"] for p in params}
+    if unknown:
+        raise ValueError(f"{target_name}: outputs {sorted(unknown)} are not parameters")
+
+    kernels = {gv.name_hint: fn for gv, fn in art.device_mod.functions.items()}
+    calls = []
+    tir.stmt_functor.post_order_visit(
+        art.host_mod["main"].body,
+        lambda n: calls.append(n) if isinstance(n, tir.Call) and "call_packed" in str(n.op.name) else None,
+    )
+    descs, launches = {}, []
+    for c in calls:
+        fname, args = c.args[0].value, list(c.args[1:])
+        if fname == "__tvm_tensormap_create_tiled":
+            rank = int(args[2].value)
+            vals = [_cexpr(a, tir) for a in args[4:]]
+            descs[args[0].name] = {
+                "dtype": int(args[1].value), "rank": rank, "ptr": args[3].name,
+                "dims": vals[0:rank], "strides": vals[rank : 2 * rank], "box": vals[2 * rank : 3 * rank],
+                "elem": vals[3 * rank : 4 * rank], "tail": [int(a.value) for a in args[4 + 4 * rank :]],
+            }
+        elif fname in kernels:
+            tags = list(kernels[fname].attrs["tirx.kernel_launch_params"])
+            n = len(args) - len(tags)
+            kargs = []
+            for a in args[:n]:
+                kargs.append({"name": a.name, "dtype": str(a.dtype)})
+            dims = dict(zip(tags, args[n:]))
+            smem = dims.get("tirx.use_dyn_shared_memory", 0)
+            if not isinstance(smem, (int, tir.IntImm)):
+                raise NotImplementedError(f"{target_name}: dynamic shared memory {smem} is not a constant")
+            launches.append({
+                "kernel": fname,
+                "args": kargs,
+                "grid": [_cexpr(dims.get(f"blockIdx.{x}", 1), tir) for x in "xyz"],
+                "block": [_cexpr(dims.get(f"threadIdx.{x}", 1), tir) for x in "xyz"],
+                "smem": int(smem.value if isinstance(smem, tir.IntImm) else smem),
+            })
+        elif fname != "__tvm_set_device":  # XLA has already made the device current
+            raise NotImplementedError(f"{target_name}: host calls {fname}, which build.py does not translate")
+    if not launches:
+        raise RuntimeError(f"{target_name}: no kernel launch found in the lowered host code")
+    meta = {"target": target_name, "key": key, "variant": repr(variant), "program": repr(program),
+            "source": f"kernels/{program.module.replace('.', '/')}.py", "params": params,
+            "outputs": list(program.outputs), "descs": descs, "launches": launches}
+    (GEN / f"{target_name}.json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def compile_cubin(target_name: str, cuda: Path, tl_root: Path) -> None:
+    cmd = ["nvcc", "-cubin", *ARCH, "-std=c++17", "-O3", "--use_fast_math", "-w", "-DENABLE_BF16",
+           f"-I{tl_root / 'src'}", f"-I{tl_root / '3rdparty' / 'cutlass' / 'include'}",
+           "-o", str(GEN / f"{target_name}.cubin"), str(GEN / f"{target_name}.cu")]
+    cmd[0] = str(cuda / "bin" / "nvcc")
+    run(cmd)
+    data = (GEN / f"{target_name}.cubin").read_bytes()
+    rows = ",".join(f"0x{b:02x}" for b in data)
+    (GEN / f"{target_name}.cubin.inc").write_text(f"alignas(64) static const unsigned char kCubin[] = {{{rows}}};\n")
+
+
+def run(cmd: list[str]) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+
+
+# ----------------------------------------------------------------------------- handler codegen
+
+
+def handler_source(meta: dict) -> str:
+    """The FFI handler of one program: checks, dynamic dims, TMA descriptors, launch."""
+    tgt = meta["target"]
+    params = meta["params"]
+    outputs = meta["outputs"]
+    buffers = {p["name"]: p for p in params if p["kind"] == "buffer"}
+    by_data = {p["data"]: p["name"] for p in buffers.values()}
+    inputs = [p for p in params if p["kind"] == "buffer" and p["name"] not in outputs]
+    scalars = [p for p in params if p["kind"] == "scalar"]
+    sig = ["cudaStream_t stream"]
+    sig += [f"ffi::AnyBuffer {p['name']}" for p in inputs]
+    sig += [f"ffi::Result<ffi::AnyBuffer> {n}" for n in outputs]
+    sig += [f"{SCALAR_C[p['dtype']]} {p['name']}" for p in scalars]
+    L = [f"// generated by build.py from {meta['source']} for {meta['variant']}, program {meta['program']}; do not edit",
+         '#include <algorithm>', '#include <cstdint>', '#include <string>', '',
+         '#include "runtime.h"', '#include "xla/ffi/api/ffi.h"', '',
+         'namespace ffi = xla::ffi;', '', 'namespace {', f'#include "{tgt}.cubin.inc"', '']
+    for i, ln in enumerate(meta["launches"]):
+        L.append(f'fla::Kernel kernel{i}(kCubin, "{ln["kernel"]}", {ln["smem"]}u);')
+    L += ['', f'constexpr char kTarget[] = "{tgt}";', '',
+          'ffi::Error Bad(const std::string& what) { return ffi::Error::InvalidArgument(std::string(kTarget) + ": " + what); }', '',
+          f'ffi::Error Impl({", ".join(sig)}) {{']
+    bound: set[str] = set()
+    for p in params:
+        if p["kind"] != "buffer":
+            continue
+        n = p["name"]
+        acc = f"{n}->" if n in outputs else f"{n}."
+        L.append(f'  if ({acc}element_type() != ffi::DataType::{DTYPE_ENUM[p["dtype"]]}) return Bad("`{n}` must be {p["dtype"]}");')
+        L.append(f'  auto s_{n} = {acc}dimensions();')
+        L.append(f'  if (s_{n}.size() != {len(p["shape"])}) return Bad("`{n}` must have rank {len(p["shape"])}, got " + std::to_string(s_{n}.size()));')
+        for i, d in enumerate(p["shape"]):
+            if isinstance(d, int):
+                L.append(f'  if (s_{n}[{i}] != {d}) return Bad("`{n}` dim {i} must be {d}, got " + std::to_string(s_{n}[{i}]));')
+            elif d not in bound:
+                bound.add(d)
+                L.append(f'  const int64_t d_{d} = s_{n}[{i}];')
+                L.append(f'  if (d_{d} > 2147483647LL) return Bad("dim {d} = " + std::to_string(d_{d}) + " does not fit in int32");')
+            else:
+                L.append(f'  if (s_{n}[{i}] != d_{d}) return Bad("`{n}` dim {i} must equal {d} = " + std::to_string(d_{d}) + ", got " + std::to_string(s_{n}[{i}]));')
+        L.append(f'  void* p_{p["data"]} = {acc}untyped_data();')
+    for name, d in meta["descs"].items():
+        r = d["rank"]
+        L += [f'  CUtensorMap m_{name};', '  {',
+              f'    const uint64_t dims[{r}] = {{{", ".join(f"uint64_t({e})" for e in d["dims"])}}};',
+              f'    const uint64_t strides[{r}] = {{{", ".join(f"uint64_t({e})" for e in d["strides"])}}};',
+              f'    const uint32_t box[{r}] = {{{", ".join(f"uint32_t({e})" for e in d["box"])}}};',
+              f'    const uint32_t elem[{r}] = {{{", ".join(f"uint32_t({e})" for e in d["elem"])}}};',
+              f'    std::string e = fla::encode_tiled(&m_{name}, {d["dtype"]}, {r}, p_{d["ptr"]}, dims, strides, box, elem, {", ".join(map(str, d["tail"]))});',
+              '    if (!e.empty()) return ffi::Error::Internal(std::string(kTarget) + ": " + e);', '  }']
+    for v in sorted(bound):
+        L.append(f'  int32_t i_{v} = int32_t(d_{v});')
+    for s in scalars:
+        L.append(f'  {SCALAR_C[s["dtype"]]} a_{s["name"]} = {s["name"]};')
+    for i, ln in enumerate(meta["launches"]):
+        refs = []
+        for a in ln["args"]:
+            n = a["name"]
+            if n in meta["descs"]:
+                refs.append(f"&m_{n}")
+            elif n in by_data:
+                refs.append(f"&p_{n}")
+            elif n in bound:
+                refs.append(f"&i_{n}")
+            elif n in {s["name"] for s in scalars}:
+                refs.append(f"&a_{n}")
+            else:
+                raise NotImplementedError(f"{tgt}: kernel argument {n} is neither a buffer, descriptor, dim nor scalar")
+        L += ['  {', f'    void* args[] = {{{", ".join(refs)}}};',
+              f'    const int64_t grid[3] = {{{", ".join(ln["grid"])}}};',
+              f'    const int64_t block[3] = {{{", ".join(ln["block"])}}};',
+              f'    std::string e = fla::launch(kernel{i}, grid, block, reinterpret_cast<CUstream>(stream), args);',
+              '    if (!e.empty()) return ffi::Error::Internal(std::string(kTarget) + ": " + e);', '  }']
+    L += ['  return ffi::Error::Success();', '}', '', '}  // namespace', '']
+    bind = ["ffi::Ffi::Bind()", ".Ctx<ffi::PlatformStream<cudaStream_t>>()"]
+    bind += [".Arg<ffi::AnyBuffer>()"] * len(inputs) + [".Ret<ffi::AnyBuffer>()"] * len(outputs)
+    bind += [f'.Attr<{SCALAR_C[s["dtype"]]}>("{s["name"]}")' for s in scalars]
+    L.append(f'XLA_FFI_DEFINE_HANDLER_SYMBOL({tgt}, Impl, {"".join(bind)}, {{ffi::Traits::kCmdBufferCompatible}});')
+    return "\n".join(L) + "\n"
+
+
+def registry_source(targets: list[str]) -> str:
+    L = ["// generated by build.py from kernels/variants.py; do not edit", "#pragma once",
+         '#include "xla/ffi/api/c_api.h"', ""]
+    L += [f'extern "C" XLA_FFI_Error* {t}(XLA_FFI_CallFrame*);' for t in targets]
+    L += ["", "struct Target { const char* name; void* handler; };", "static const Target kTargets[] = {"]
+    L += [f'    {{"{t}", reinterpret_cast<void*>(&{t})}},' for t in targets]
+    L += ["};", ""]
+    return "\n".join(L)
+
+
+# ----------------------------------------------------------------------------- extension
+
+
+def build_extension(targets: list[str], cuda: Path, jobs: int) -> None:
+    import jax.ffi
+    import nanobind
+
+    (GEN / "registry.inc").write_text(registry_source(targets))
+    nb_src = Path(nanobind.source_dir())
+    includes = [f"-I{ROOT / 'ffi'}", f"-I{GEN}", f"-I{jax.ffi.include_dir()}", f"-I{cuda / 'include'}",
+                f"-I{nanobind.include_dir()}", f"-I{nb_src.parent / 'ext' / 'robin_map' / 'include'}",
+                f"-I{sysconfig.get_paths()['include']}"]
+    flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-DPy_LIMITED_API=0x030C0000", "-DNDEBUG", "-w"]
+    sources = [nb_src / "nb_combined.cpp", ROOT / "ffi" / "module.cc", ROOT / "ffi" / "runtime.cc"]
+    sources += [GEN / f"{t}.cc" for t in targets]
+    OBJ.mkdir(parents=True, exist_ok=True)
+
+    def compile_obj(src: Path) -> Path:
+        h = hashlib.sha256(src.read_bytes() + " ".join(flags + includes).encode())
+        for dep in [ROOT / "ffi" / "runtime.h", GEN / "registry.inc"]:
+            h.update(dep.read_bytes())
+        if src.suffix == ".cc" and src.parent == GEN:
+            h.update((GEN / f"{src.stem}.cubin.inc").read_bytes())
+        obj = OBJ / f"{src.stem}-{h.hexdigest()[:16]}.o"
+        if not obj.exists():
+            run(["g++", *flags, *includes, "-c", str(src), "-o", str(obj)])
+        return obj
+
+    with cf.ThreadPoolExecutor(jobs) as pool:
+        objs = list(pool.map(compile_obj, sources))
+    lib = cuda / "lib64"
+    if not (lib / "libcudart_static.a").exists():
+        lib = cuda / "targets" / "x86_64-linux" / "lib"
+    tmp = EXT.with_suffix(".tmp")
+    run(["g++", "-shared", "-o", str(tmp), *map(str, objs), f"-L{lib}", "-lcudart_static", "-ldl", "-lrt", "-lpthread",
+         "-Wl,--exclude-libs,ALL"])
+    os.replace(tmp, EXT)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Builds fla_jax's TileLang kernels and FFI extension.")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--force", action="store_true", help="rebuild every kernel, ignoring the cache")
+    args = ap.parse_args(argv)
+    cuda = cuda_home()
+    if cuda is None:
+        print("build.py: no nvcc (CUDA toolkit) found; the tilelang backend is not built. fla_jax still works with its "
+              "pure-JAX backends.")
+        return 1
+    try:
+        import tilelang
+    except ImportError as e:
+        print(f"build.py: TileLang is not installed ({e}); install the `build` extra (pip install -e '.[build]'). "
+              "fla_jax still works with its pure-JAX backends.")
+        return 1
+    sys.path.insert(0, str(ROOT))
+    from kernels.variants import VARIANTS
+
+    GEN.mkdir(parents=True, exist_ok=True)
+    tl_root = Path(tilelang.__file__).parent
+    work = [(v, p, content_key(v, p)) for v in VARIANTS for p in v.programs]
+    todo = []
+    for v, p, key in work:
+        meta_file = GEN / f"{v.target(p)}.json"
+        cached = meta_file.exists() and (GEN / f"{v.target(p)}.cubin.inc").exists() and json.loads(meta_file.read_text())["key"] == key
+        if cached and not args.force:
+            print(f"  cached    {v.target(p)}")
+        else:
+            todo.append((v, p, key))
+    t0 = time.time()
+    ctx = __import__("multiprocessing").get_context("spawn")
+    with cf.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(lower_one, v, p, key): v.target(p) for v, p, key in todo}
+        for fut in cf.as_completed(futures):
+            name = futures[fut]
+            fut.result()
+            compile_cubin(name, cuda, tl_root)
+            print(f"  built     {name} ({time.time() - t0:.0f}s)", flush=True)
+    targets = []
+    for v, p, _ in work:
+        meta = json.loads((GEN / f"{v.target(p)}.json").read_text())
+        (GEN / f"{v.target(p)}.cc").write_text(handler_source(meta))
+        targets.append(v.target(p))
+    build_extension(targets, cuda, args.jobs)
+    print(f"build.py: {len(targets)} kernels in {EXT.relative_to(ROOT)} ({time.time() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
