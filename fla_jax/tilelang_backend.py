@@ -1,10 +1,10 @@
 """The `tilelang` backend: TileLang CUDA kernels, built ahead of time by build.py into
 `fla_jax._ext`, called through XLA FFI custom calls.
 
-Built so far: simple GLA's forward (`kernels/simple_gla/fwd.py`: chunk states, then the output),
-bf16/fp16 inputs, K = V in {64, 128, 256}, dense batches. Its backward is still the `xla`
-backend's (recompute, then differentiate the chunked math); the fused backward kernel is open
-work. Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
+Built so far: simple GLA (`kernels/simple_gla/`): forward (chunk states, then the output) and
+backward (states recomputed, reverse state-gradient pass, one fused dq/dk/dv/dg consumer), bf16/fp16
+inputs, K = V in {64, 128, 256}, dense batches. Everything else answers `unsupported(...)` with the
+reason, and "auto" falls back to `xla`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fla_jax import _layout, xla
+from fla_jax import _layout
 from fla_jax._problem import Problem
 
 try:
@@ -75,17 +75,29 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float):
     return _simple_gla(p, float(scale), q, k, v, g32, h0.astype(jnp.float32))
 
 
+def _targets(p: Problem, direction: str, K: int, V: int) -> tuple:
+    variant = _find_variant(p.op, direction, p.dtype, K, V)
+    return variant.chunk, tuple(variant.target(prog) for prog in variant.programs)
+
+
+def _chunked(x, C):
+    """Zero-pads the time axis to whole chunks (zero k, v and gates change no state)."""
+    Tp = _layout.cdiv(x.shape[1], C) * C
+    return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _chunk_cumsum(g, C):
+    B, Tp, H = g.shape
+    return jnp.cumsum(g.reshape(B, Tp // C, C, H), axis=2).reshape(B, Tp, H)
+
+
 def _forward(p: Problem, scale: float, q, k, v, g, h0):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    variant = _find_variant(p.op, "fwd", p.dtype, K, V)
-    C = variant.chunk
-    Tp = _layout.cdiv(T, C) * C
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-    q, k, v, g = map(pad, (q, k, v, g))
-    NT = Tp // C
-    G = jnp.cumsum(g.reshape(B, NT, C, H), axis=2).reshape(B, Tp, H)
-    h_target, o_target = (variant.target(prog) for prog in variant.programs)
+    C, (h_target, o_target) = _targets(p, "fwd", K, V)
+    q, k, v, g = (_chunked(x, C) for x in (q, k, v, g))
+    NT = q.shape[1] // C
+    G = _chunk_cumsum(g, C)
     h, ht = jax.ffi.ffi_call(
         h_target,
         (jax.ShapeDtypeStruct((B, NT, H, K, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)),
@@ -95,6 +107,30 @@ def _forward(p: Problem, scale: float, q, k, v, g, h0):
         q, k, v, G, h, scale=np.float32(scale)
     )
     return o[:, :T], ht
+
+
+def _backward(p: Problem, scale: float, q, k, v, g, h0, do, dht):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C, (h_target, _) = _targets(p, "fwd", K, V)
+    _, (dh_target, dqkvg_target) = _targets(p, "bwd", K, V)
+    q, k, v, g, do = (_chunked(x, C) for x in (q, k, v, g, do))
+    Tp = q.shape[1]
+    NT = Tp // C
+    G = _chunk_cumsum(g, C)
+    state = lambda dt: jax.ShapeDtypeStruct((B, NT, H, K, V), dt)
+    h, _ = jax.ffi.ffi_call(h_target, (state(q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)), vmap_method="sequential")(k, v, G, h0)
+    dh, dh0 = jax.ffi.ffi_call(
+        dh_target, (state(q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)), vmap_method="sequential"
+    )(q, do, G, dht.astype(jnp.float32), scale=np.float32(scale))
+    dq, dk, dv, dG = jax.ffi.ffi_call(
+        dqkvg_target,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, jnp.float32)),
+        vmap_method="sequential",
+    )(q, k, v, G, h, do, dh, scale=np.float32(scale))
+    dg = jnp.flip(jnp.cumsum(jnp.flip(dG.reshape(B, NT, C, H), 2), axis=2), 2).reshape(B, Tp, H)
+    return dq[:, :T], dk[:, :T], dv[:, :T], dg[:, :T], dh0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -107,13 +143,8 @@ def _simple_gla_fwd(p, scale, q, k, v, g, h0):
 
 
 def _simple_gla_bwd(p, scale, res, ct):
-    def chunked(q, k, v, g, h0):
-        cdt = p.compute_dtype
-        o, ht = xla.run(p, q.astype(cdt) * scale, k.astype(cdt), v.astype(cdt), g, None, h0, None)
-        return o.astype(q.dtype), ht
-
-    _, vjp = jax.vjp(chunked, *res)
-    return vjp(ct)
+    do, dht = ct
+    return _backward(p, scale, *res, do.astype(res[0].dtype), dht)
 
 
 _simple_gla.defvjp(_simple_gla_fwd, _simple_gla_bwd)

@@ -53,12 +53,19 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="h", module="simple_gla.fwd", builder="chunk_fwd_h", outputs=("h", "ht")),
         Program(name="o", module="simple_gla.fwd", builder="chunk_fwd_o", outputs=("o",)),
     ),
+    ("simple_gla", "bwd"): (
+        Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
+    ),
 }
 
 HEAD_DIMS: Final = (64, 128, 256)
 
 VARIANTS: Final[tuple[Variant, ...]] = tuple(
-    Variant(op="simple_gla", direction="fwd", dtype=dt, head_k=d, head_v=d) for dt in DTYPES for d in HEAD_DIMS
+    Variant(op="simple_gla", direction=direction, dtype=dt, head_k=d, head_v=d)
+    for direction in ("fwd", "bwd")
+    for dt in DTYPES
+    for d in HEAD_DIMS
 )
 
 

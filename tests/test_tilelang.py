@@ -36,14 +36,19 @@ def test_export_for_cuda_has_the_custom_calls(K, dtype):
     g, h0 = jnp.zeros((B, T, H), jnp.float32), jnp.zeros((B, H, K, K), jnp.float32)
     f = lambda q, k, v, g, h0: tilelang_backend.run(p, q, k, v, g, None, h0, None, scale=0.5)
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
-    names = [f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_{n}" for n in ("h", "o")]
-    checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]
+    fwd_names = [f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_{n}" for n in ("h", "o")]
+    bwd_names = [f"fla_simple_gla_bwd_{short}_k{K}_v{K}_c64_{n}" for n in ("dh", "dqkvg")]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in fwd_names + bwd_names]
     fwd = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(x, x, x, g, h0)
-    assert sorted(set(re.findall(r"custom_call @(\w+)", fwd.mlir_module()))) == names
-    loss = lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32)) + jnp.sum(f(*a)[1])
-    # value and gradient: the forward kernels run, the backward is the xla backend's for now
-    grad = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"], disabled_checks=checks)
-    assert set(re.findall(r"custom_call @(\w+)", grad(x, x, x, g, h0).mlir_module())) == set(names)
+    assert sorted(set(re.findall(r"custom_call @(\w+)", fwd.mlir_module()))) == fwd_names
+    def loss(*a):
+        o, ht = f(*a)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    both = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"], disabled_checks=checks)
+    calls = re.findall(r"custom_call @(\w+)", both(x, x, x, g, h0).mlir_module())
+    # forward: states + output; backward: states recomputed, state gradients, fused consumer
+    assert sorted(calls) == sorted(fwd_names + bwd_names + fwd_names[:1])
 
 
 GPU_CASES = [
