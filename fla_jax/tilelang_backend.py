@@ -34,9 +34,29 @@ except ImportError:  # an installed wheel without the kernels package: nothing i
     _find_variant = None
 
 
+# Test hook: when True, every kernel writes into NaN-filled buffers (see `_call`), so an output
+# element that a kernel leaves unwritten shows up as NaN.
+POISON_OUTPUTS = False
+
+
 def registered() -> list[str]:
-    """The FFI targets this install registered."""
-    return [] if _ext is None else sorted(_ext.registrations())
+    """The FFI targets this install registered (each program also has a `_aliased` twin)."""
+    return [] if _ext is None else sorted(n for n in _ext.registrations() if not n.endswith("_aliased"))
+
+
+def _call(target: str, results, *args, **attrs):
+    """`ffi_call` of one kernel program; with POISON_OUTPUTS its outputs start as NaN."""
+    single = not isinstance(results, tuple)
+    results = (results,) if single else results
+    if POISON_OUTPUTS:
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        aliases = {len(args) + i: i for i in range(len(results))}
+        out = jax.ffi.ffi_call(f"{target}_aliased", results, vmap_method="sequential", input_output_aliases=aliases)(
+            *args, *poison, **attrs
+        )
+    else:
+        out = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
+    return out[0] if single else tuple(out)
 
 
 def status() -> tuple[bool, str | None]:
@@ -98,14 +118,11 @@ def _forward(p: Problem, scale: float, q, k, v, g, h0):
     q, k, v, g = (_chunked(x, C) for x in (q, k, v, g))
     NT = q.shape[1] // C
     G = _chunk_cumsum(g, C)
-    h, ht = jax.ffi.ffi_call(
-        h_target,
-        (jax.ShapeDtypeStruct((B, NT, H, K, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)),
-        vmap_method="sequential",
-    )(k, v, G, h0)
-    o = jax.ffi.ffi_call(o_target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
-        q, k, v, G, h, scale=np.float32(scale)
+    h, ht = _call(
+        h_target, (jax.ShapeDtypeStruct((B, NT, H, K, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)),
+        k, v, G, h0,
     )
+    o = _call(o_target, jax.ShapeDtypeStruct(q.shape, q.dtype), q, k, v, G, h, scale=np.float32(scale))
     return o[:, :T], ht
 
 
@@ -119,16 +136,13 @@ def _backward(p: Problem, scale: float, q, k, v, g, h0, do, dht):
     NT = Tp // C
     G = _chunk_cumsum(g, C)
     state = lambda dt: jax.ShapeDtypeStruct((B, NT, H, K, V), dt)
-    h, _ = jax.ffi.ffi_call(h_target, (state(q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)), vmap_method="sequential")(k, v, G, h0)
-    dh, dh0 = jax.ffi.ffi_call(
-        dh_target, (state(q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)), vmap_method="sequential"
-    )(q, do, G, dht.astype(jnp.float32), scale=np.float32(scale))
-    dq, dk, dv, dG = jax.ffi.ffi_call(
-        dqkvg_target,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, jnp.float32)),
-        vmap_method="sequential",
-    )(q, k, v, G, h, do, dh, scale=np.float32(scale))
+    final = jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)
+    h, _ = _call(h_target, (state(q.dtype), final), k, v, G, h0)
+    dh, dh0 = _call(dh_target, (state(q.dtype), final), q, do, G, dht.astype(jnp.float32), scale=np.float32(scale))
+    like = lambda x, dt=None: jax.ShapeDtypeStruct(x.shape, dt or x.dtype)
+    dq, dk, dv, dG = _call(
+        dqkvg_target, (like(q), like(k), like(v), like(g, jnp.float32)), q, k, v, G, h, do, dh, scale=np.float32(scale)
+    )
     dg = jnp.flip(jnp.cumsum(jnp.flip(dG.reshape(B, NT, C, H), 2), axis=2), 2).reshape(B, Tp, H)
     return dq[:, :T], dk[:, :T], dv[:, :T], dg[:, :T], dh0
 
