@@ -106,7 +106,6 @@ def lower_one(variant, program, key: str) -> dict:
         if p in func.buffer_map:
             buf = func.buffer_map[p]
             shape = [int(s) if isinstance(s, (int, tir.IntImm)) else s.name for s in buf.shape]
-            shape = [s.value if isinstance(s, tir.IntImm) else s for s in shape]
             params.append({"name": buf.name, "data": buf.data.name, "kind": "buffer", "dtype": str(buf.dtype), "shape": shape})
         else:
             params.append({"name": p.name, "kind": "scalar", "dtype": str(p.dtype)})

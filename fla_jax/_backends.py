@@ -61,9 +61,7 @@ def resolve(name: str, problem: Problem, *, K: int, V: int, varlen: bool, groupe
         return _PURE[name]
     usable, reason = tilelang_backend.status()
     if usable:
-        reason = tilelang_backend.unsupported(problem, K, V, varlen)
-        if reason is None and (grouped or l2norm):
-            reason = "grouped heads and in-kernel l2 normalisation are not supported by the TileLang kernels yet"
+        reason = tilelang_backend.unsupported(problem, K=K, V=V, varlen=varlen, grouped=grouped, l2norm=l2norm)
     if reason is None:
         return _TILELANG
     if name == "auto":
@@ -71,9 +69,6 @@ def resolve(name: str, problem: Problem, *, K: int, V: int, varlen: bool, groupe
     raise BackendUnavailableError(f"backend 'tilelang' cannot run {problem.op}: {reason}")
 
 
-def resolve_name(name: str) -> str:
-    """The backend "auto" stands for on this machine for the common case (demo and reports)."""
-    _check_name(name)
-    if name != "auto":
-        return name
-    return "tilelang" if tilelang_backend.status()[0] else "xla"
+def resolve_name(name: str, problem: Problem, **call) -> str:
+    """The name of the backend that `resolve` picks for this call (for reports such as the demo's)."""
+    return resolve(name, problem, **call).name

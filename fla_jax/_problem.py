@@ -10,6 +10,8 @@ Backends then receive `q, k [B, T, H, K]` (q already multiplied by the scale, gr
 expanded, l2 normalisation already applied), `v [B, T, H, V]`, `g` (None, `[B, T, H]` or
 `[B, T, H, K]`), `beta` (`[B, T, H]` or None), `h0 [N, H, K, V]` and `cu_seqlens` (None or
 `[N + 1]`), and return `o [B, T, H, V]` in the compute dtype and `ht [N, H, K, V]`.
+Backends marked `raw` (`fla_jax._backends.Backend`, the TileLang kernels) get q, k, v as the
+user passed them and the scale as a keyword, and do that preparation themselves.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fla_jax
 from fla_jax._backends import resolve_name
+from fla_jax._problem import Problem
 from fla_jax.layers import GatedDeltaNet, GatedLinearAttention
 
 
@@ -103,7 +104,11 @@ def main(argv=None):
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {len(devices)} devices")
     mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     data_sharding = NamedSharding(mesh, P("data"))
-    backend = resolve_name(args.backend)
+    op = "gated_delta_rule" if args.layer == "gdn" else "gla"
+    problem = Problem(op=op, delta=args.layer == "gdn", chunk_size=64, dtype="float32")
+    backend = resolve_name(
+        args.backend, problem, K=args.head_dim, V=args.head_dim, varlen=False, grouped=False, l2norm=args.layer == "gdn"
+    )
     print(f"fla_jax demo: {args.layers} x {args.layer} layers, d_model {args.d_model}, {args.heads} heads of {args.head_dim}")
     print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}); op backend: {backend}")
     for status in fla_jax.backends().values():

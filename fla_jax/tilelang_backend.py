@@ -75,10 +75,12 @@ def status() -> tuple[bool, str | None]:
     return True, None
 
 
-def unsupported(p: Problem, K: int, V: int, varlen: bool) -> str | None:
+def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2norm: bool) -> str | None:
     """Why the kernels cannot take this call, or None when they can."""
     if p.op != "simple_gla":
         return f"no TileLang kernels for {p.op} yet"
+    if grouped or l2norm:
+        return "grouped heads and in-kernel l2 normalisation are not supported by the TileLang kernels yet"
     if varlen:
         return "cu_seqlens is not supported by the TileLang kernels yet"
     if p.chunk_size != 64:
