@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fla_jax import _layout
+from fla_jax import _layout, _partition
 from fla_jax._problem import Problem
 
 try:
@@ -149,18 +149,31 @@ def _backward(p: Problem, scale: float, q, k, v, g, h0, do, dht):
     return dq[:, :T], dk[:, :T], dv[:, :T], dg[:, :T], dh0
 
 
+@functools.lru_cache(maxsize=None)
+def _partitioned(p: Problem, scale: float, direction: str):
+    """The forward or backward as one custom-partitioned function: split along batch and heads
+    like its operands, T, K and V whole on every device (see `fla_jax._partition`)."""
+    if direction == "fwd":
+        fn, ins, outs = _forward, ("bthk", "bthk", "bthv", "bth", "bhkv"), ("bthv", "bhkv")
+    else:
+        fn = _backward
+        ins = ("bthk", "bthk", "bthv", "bth", "bhkv", "bthv", "bhkv")
+        outs = ("bthk", "bthk", "bthv", "bth", "bhkv")
+    return _partition.batch_head_partitioned(functools.partial(fn, p, scale), ins, outs)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _simple_gla(p, scale, q, k, v, g, h0):
-    return _forward(p, scale, q, k, v, g, h0)
+    return _partitioned(p, scale, "fwd")(q, k, v, g, h0)
 
 
 def _simple_gla_fwd(p, scale, q, k, v, g, h0):
-    return _forward(p, scale, q, k, v, g, h0), (q, k, v, g, h0)
+    return _partitioned(p, scale, "fwd")(q, k, v, g, h0), (q, k, v, g, h0)
 
 
 def _simple_gla_bwd(p, scale, res, ct):
     do, dht = ct
-    return _backward(p, scale, *res, do.astype(res[0].dtype), dht)
+    return _partitioned(p, scale, "bwd")(*res, do.astype(res[0].dtype), dht)
 
 
 _simple_gla.defvjp(_simple_gla_fwd, _simple_gla_bwd)

@@ -117,3 +117,33 @@ def test_sharded_time_or_head_dim_explicit_is_refused(name, axis, letter):
         sdiff = dict(diff, **{name: jax.device_put(diff[name], NamedSharding(mesh, P(*spec)))})
         with pytest.raises(ValueError, match=rf"`{name}` is sharded along {letter}"):
             jax.jit(fwd)(sdiff)
+
+
+def test_custom_partitioning_helper_splits_batch_and_heads_only():
+    """The wrapper the TileLang kernels use (custom calls cannot run on CPU, so a pure-JAX body
+    stands in): B/H sharding compiles with no collectives; a V-sharded operand is resharded and
+    the result stays right; outputs keep the operands' B/H sharding."""
+    from fla_jax import _partition, _problem, xla
+
+    p = _problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype="float32")
+
+    def body(q, k, v, g, h0):
+        return xla.run(p, q * 0.25, k, v, g, None, h0, None)
+
+    f = _partition.batch_head_partitioned(body, ("bthk", "bthk", "bthv", "bth", "bhkv"), ("bthv", "bhkv"))
+    case = Case("simple_gla", 4, 128, 8, 16, 16, h0=True)
+    d, _ = make_inputs(case, 6)
+    args = (d["q"], d["k"], d["v"], d["g"], d["initial_state"])
+    want = jax.jit(body)(*args)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+    bh = P("data", None, "model", None)
+    for v_spec, collectives in ((bh, False), (P(None, None, None, "model"), True)):
+        specs = (bh, bh, v_spec, P("data", None, "model"), P("data", "model"))
+        with jax.set_mesh(mesh):
+            sargs = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+            jf = jax.jit(f)
+            hlo = jf.lower(*sargs).compile().as_text()
+            got = jf(*sargs)
+        assert bool(re.findall(COLLECTIVES, hlo)) == collectives
+        assert err_ratio(want[0], got[0]) < 1e-6 and err_ratio(want[1], got[1]) < 1e-6
+        assert _spec(got[0]) == ("data", None, "model", None) and _spec(got[1]) == ("data", "model", None, None)
