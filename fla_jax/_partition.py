@@ -4,7 +4,9 @@ A bare custom call makes XLA gather its operands and run the whole problem on ev
 wrapper here gives such a function a Shardy sharding rule and a `partition` callback: the batch (b)
 and head (h) axes keep the sharding the operands arrive with, every other axis (time t, head dims
 k and v) is made whole first — so an operand sharded along T, K or V is resharded by XLA (correct,
-slower), never silently computed on a slice.
+slower), never silently computed on a slice. `custom_partitioning` has no batching rule, so the
+wrapper also carries a `custom_vmap` rule that folds a vmapped axis into the batch axis (every
+layout starts with b).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax.numpy as jnp
+from jax import custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -35,12 +39,26 @@ def batch_head_partitioned(fn: Callable, ins: tuple[str, ...], outs: tuple[str, 
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[1]
 
-    wrapped = custom_partitioning(fn)
+    if not all(layout.startswith("b") for layout in ins + outs):
+        raise ValueError(f"every layout must start with the batch axis b, got {ins} -> {outs}")
+    partitioned = custom_partitioning(fn)
     rule = ", ".join(" ".join(l) for l in ins) + " -> " + ", ".join(" ".join(l) for l in outs)
-    wrapped.def_partition(
+    partitioned.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
         sharding_rule=rule,
         need_replication_factors=tuple(c for c in "tkv" if c in rule),
     )
+
+    @custom_batching.custom_vmap
+    def wrapped(*args):
+        return partitioned(*args)
+
+    @wrapped.def_vmap
+    def _fold_into_batch(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+        res = wrapped(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+        res = tuple(r.reshape(axis_size, r.shape[0] // axis_size, *r.shape[1:]) for r in res)
+        return res, (True,) * len(res)
+
     return wrapped

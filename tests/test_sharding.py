@@ -147,3 +147,15 @@ def test_custom_partitioning_helper_splits_batch_and_heads_only():
         assert bool(re.findall(COLLECTIVES, hlo)) == collectives
         assert err_ratio(want[0], got[0]) < 1e-6 and err_ratio(want[1], got[1]) < 1e-6
         assert _spec(got[0]) == ("data", None, "model", None) and _spec(got[1]) == ("data", "model", None, None)
+    # vmap (and vmap of vmap) folds the mapped axes into the batch axis
+    stacked = [jnp.stack([x, 2 * x]) for x in args]
+    got = jax.jit(jax.vmap(f))(*stacked)
+    for i in range(2):
+        ref = body(*(s[i] for s in stacked))
+        assert err_ratio(ref[0], got[0][i]) < 1e-6 and err_ratio(ref[1], got[1][i]) < 1e-6
+    got2 = jax.vmap(jax.vmap(f, in_axes=(0, 0, 0, 0, None)), in_axes=(0, 0, 0, 0, None))(
+        *(jnp.stack([x, x]) for x in stacked[:4]), args[4]
+    )
+    assert got2[0].shape == (2, 2, *args[0].shape[:3], args[2].shape[3])
+    ref = body(*(x[1] for x in stacked[:4]), args[4])  # the unmapped initial state is shared
+    assert err_ratio(ref[0], got2[0][1, 1]) < 1e-6 and err_ratio(ref[1], got2[1][0, 1]) < 1e-6
