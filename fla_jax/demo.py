@@ -4,7 +4,9 @@
 
 The tokens come from a fixed sparse Markov chain (each token has a handful of likely successors),
 so the loss falls from log(vocab) towards the chain's entropy, which is printed as the floor.
-Training is data parallel over every local device (`jit` with the batch sharded on a mesh).
+Training is data parallel over every local device (`jit` with the batch sharded on a mesh);
+`--heads-parallel N` also splits the attention heads over N devices (projections sharded by head,
+output projection by rows), and the linear-attention ops partition themselves along heads.
 """
 
 from __future__ import annotations
@@ -54,6 +56,23 @@ class LanguageModel(nnx.Module):
         return self.head(self.norm(x))
 
 
+def param_sharding(mesh, path) -> NamedSharding:
+    """Megatron-style head parallelism: projections into heads split by columns, the output
+    projection by rows, per-head vectors by heads; everything else replicated."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    if "attn" in names:
+        layer = names[names.index("attn") + 1]
+        if layer in ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj", "gk_up"):
+            return NamedSharding(mesh, P(None, "model") if names[-1] == "kernel" or "kernel" in names else P("model"))
+        if layer == "o_proj":
+            return NamedSharding(mesh, P("model", None))
+        if layer in ("q_conv", "k_conv", "v_conv"):
+            return NamedSharding(mesh, P(None, "model"))
+        if layer in ("A_log", "dt_bias"):
+            return NamedSharding(mesh, P("model"))
+    return NamedSharding(mesh, P())
+
+
 def markov_chain(vocab: int, successors: int, seed: int):
     """A sparse transition matrix and its entropy rate (nats per token)."""
     rng = np.random.default_rng(seed)
@@ -93,6 +112,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--layer", choices=("gdn", "gla"), default="gdn")
+    ap.add_argument("--heads-parallel", type=int, default=1, help="devices to split the heads over")
     ap.add_argument("--backend", default="auto", choices=("auto", "xla", "reference", "tilelang"))
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=25)
@@ -100,9 +120,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     devices = jax.devices()
-    if args.batch % len(devices):
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {len(devices)} devices")
-    mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tp = args.heads_parallel
+    if len(devices) % tp or args.heads % tp:
+        raise SystemExit(f"--heads-parallel {tp} must divide the {len(devices)} devices and the {args.heads} heads")
+    dp = len(devices) // tp
+    if args.batch % dp:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {dp} data-parallel devices")
+    auto = jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((dp, tp), ("data", "model"), axis_types=(auto, auto))
     data_sharding = NamedSharding(mesh, P("data"))
     op = "gated_delta_rule" if args.layer == "gdn" else "gla"
     problem = Problem(op=op, delta=args.layer == "gdn", chunk_size=64, dtype="float32")
@@ -110,7 +135,8 @@ def main(argv=None):
         args.backend, problem, K=args.head_dim, V=args.head_dim, varlen=False, grouped=False, l2norm=args.layer == "gdn"
     )
     print(f"fla_jax demo: {args.layers} x {args.layer} layers, d_model {args.d_model}, {args.heads} heads of {args.head_dim}")
-    print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}); op backend: {backend}")
+    print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}), {dp} data x {tp} heads parallel; "
+          f"op backend: {backend}")
     for status in fla_jax.backends().values():
         print(f"  backend {status}")
 
@@ -120,6 +146,8 @@ def main(argv=None):
     model = LanguageModel(
         args.vocab, args.d_model, args.layers, args.layer, args.heads, args.head_dim, args.backend, rngs=nnx.Rngs(args.seed)
     )
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, jax.tree_util.tree_map_with_path(lambda path, _: param_sharding(mesh, path), state)))
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 5 + 1), max(args.steps, 2))
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
 
