@@ -85,8 +85,12 @@ def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2no
         return "cu_seqlens is not supported by the TileLang kernels yet"
     if p.chunk_size != 64:
         return f"the kernels use chunk_size 64, got {p.chunk_size}"
-    if _find_variant is None or _find_variant(p.op, "fwd", p.dtype, K, V) is None:
+    variants = [None if _find_variant is None else _find_variant(p.op, d, p.dtype, K, V) for d in ("fwd", "bwd")]
+    if None in variants:
         return f"no kernel built for dtype {p.dtype}, K = {K}, V = {V} (built: bf16/fp16 with K = V in 64, 128, 256)"
+    missing = sorted({v.target(prog) for v in variants for prog in v.programs} - set(registered()))
+    if missing:
+        return f"the built extension lacks {missing[0]} (and {len(missing) - 1} more): rebuild with `python build.py`"
     return None
 
 
