@@ -59,8 +59,9 @@ def _call(target: str, results, *args, **attrs):
     return out[0] if single else tuple(out)
 
 
+@functools.cache
 def status() -> tuple[bool, str | None]:
-    """Whether the backend can run here, and why not."""
+    """Whether the backend can run here, and why not (devices do not change within a process)."""
     if _ext is None:
         return False, f"the TileLang CUDA kernels are not built into this install (run `python build.py`; {IMPORT_ERROR})"
     try:
