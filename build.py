@@ -14,8 +14,8 @@ For every program of every variant in `kernels/variants.py`:
 then compiles `ffi/*.cc` with the generated handlers into one nanobind extension,
 `fla_jax/_ext.abi3.so` (stable ABI, Python >= 3.12), against jaxlib's FFI headers.
 
-Steps 1-2 are cached by a content hash (kernel sources, variants, this file), so an unchanged
-kernel is not rebuilt. Without nvcc or TileLang it says so and exits 1; fla_jax still imports
+Steps 1-2 are cached by a content hash (kernel sources and variants, this file's lowering and
+compile steps, the nvcc target), so an unchanged kernel is not rebuilt; object files likewise. Without nvcc or TileLang it says so and exits 1; fla_jax still imports
 and uses its pure-JAX backends.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -57,10 +58,14 @@ def cuda_home() -> Path | None:
 
 
 def content_key(variant, program) -> str:
+    """What a cubin and its launch description depend on: the kernel sources, the lowering and
+    compile steps of this file, the toolchain flags (handler codegen is redone on every build)."""
     h = hashlib.sha256()
-    for f in sorted((ROOT / "kernels").rglob("*.py")) + [Path(__file__)]:
+    for f in sorted((ROOT / "kernels").rglob("*.py")):
         h.update(f.read_bytes())
-    h.update(repr((variant, program)).encode())
+    for fn in (_cexpr, lower_one, compile_cubin):
+        h.update(inspect.getsource(fn).encode())
+    h.update(repr((variant, program, ARCH)).encode())
     return h.hexdigest()[:20]
 
 
