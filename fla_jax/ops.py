@@ -43,12 +43,12 @@ def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_s
     if not isinstance(l2norm, bool):
         raise TypeError(f"`use_qk_l2norm_in_kernel` must be a bool, got {type(l2norm).__name__}")
     problem = Problem(op=op, delta=beta is not None, chunk_size=chunk_size, dtype=jnp.dtype(q.dtype).name)
-    run = _backends.resolve(
+    chosen = _backends.resolve(
         backend, problem, K=K, V=V, varlen=cu_seqlens is not None, grouped=HV != H, l2norm=l2norm
     )
 
     args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "cu_seqlens": cu_seqlens}
-    o, ht = _sharding.apply(functools.partial(_compute, run, problem, scale, l2norm), args, varlen=cu_seqlens is not None)
+    o, ht = _sharding.apply(functools.partial(_compute, chosen, problem, scale, l2norm), args, varlen=cu_seqlens is not None)
     return o, (ht if output_final_state else None)
 
 
