@@ -17,7 +17,9 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jax import custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+
+from fla_jax._sharding import layout_spec
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,7 +31,7 @@ def batch_head_partitioned(fn: Callable, ins: tuple[str, ...], outs: tuple[str, 
         first = arg_shapes[0]
         spec = tuple(first.sharding.spec) + (None,) * (len(first.shape) - len(first.sharding.spec))
         b, h = spec[ins[0].index("b")], spec[ins[0].index("h")]
-        make = lambda layout: NamedSharding(mesh, P(*(b if c == "b" else h if c == "h" else None for c in layout)))
+        make = lambda layout: NamedSharding(mesh, layout_spec(layout, batch=b, heads=h))
         return tuple(make(l) for l in ins), tuple(make(l) for l in outs)
 
     def partition(mesh, arg_shapes, result_shape):

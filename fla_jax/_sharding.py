@@ -29,6 +29,12 @@ _DIMS = {
 }
 
 
+def layout_spec(layout: str, *, batch=None, heads=None, seqs=None) -> P:
+    """The PartitionSpec of an array whose axes `layout` labels (b, h, n sharded as given; t, k and
+    v whole)."""
+    return P(*({"b": batch, "h": heads, "n": seqs}.get(c) for c in layout))
+
+
 def _explicit_mesh():
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not any(t == AxisType.Explicit for t in mesh.axis_types):
@@ -62,17 +68,14 @@ def apply(compute: Callable, args: dict, *, varlen: bool):
                 )
     if varlen and batch is not None:
         raise ValueError(f"with `cu_seqlens` the batch axis has size 1 and cannot be sharded, got mesh axes {batch!r}")
-    row = None if varlen else batch
-    specs = {"q": P(batch, None, heads, None), "k": P(batch, None, heads, None), "v": P(batch, None, heads, None),
-             "beta": P(batch, None, heads), "initial_state": P(row, heads, None, None), "cu_seqlens": P()}
-    if g is not None:
-        specs["g"] = P(batch, None, heads, *([None] * (g.ndim - 3)))
+    axes = {"batch": batch, "heads": heads, "seqs": None if varlen else batch}
+    dims["cu_seqlens"] = ""  # replicated
     names = [n for n in args if args[n] is not None]
-    in_specs = tuple(specs[n] for n in names)
+    in_specs = tuple(layout_spec(dims[n], **axes) for n in names)
     values = tuple(jax.sharding.reshard(args[n], s) for n, s in zip(names, in_specs))
 
     def local(*xs):
         return compute(**{**{n: None for n in args}, **dict(zip(names, xs))})
 
-    out_specs = (P(batch, None, heads, None), P(row, heads, None, None))
+    out_specs = (layout_spec("bthv", **axes), layout_spec("nhkv", **axes))
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*values)

@@ -90,11 +90,15 @@ def _tril(C, k=0):
     return jnp.tril(jnp.ones((C, C), bool), k)
 
 
-def _shift_states(s_after, table, reset, seq):
+def _chunk_initial_states(table, seq):
+    """`[B, H, NT, K, V]`: the initial state of each chunk's sequence."""
+    return jnp.moveaxis(table[:, seq], 2, 1)
+
+
+def _shift_states(s_after, h0c, reset):
     """States before each chunk: the previous chunk's final state, or an initial state at resets."""
-    h0c = jnp.moveaxis(table[:, seq], 2, 1)  # [B, H, N, K, V]
     prev = jnp.concatenate([jnp.zeros_like(s_after[:, :, :1]), s_after[:, :, :-1]], axis=2)
-    return jnp.where(reset[:, None, None], h0c, prev), h0c
+    return jnp.where(reset[:, None, None], h0c, prev)
 
 
 def _final(s_after, table, last, nonempty):
@@ -136,9 +140,8 @@ def _intra_diag(q4, k4, G4):
     return jnp.sum(q4[..., :, None, :] * k4[..., None, :, :] * _masked_exp(dd, _tril(q4.shape[-2])[..., None]), axis=-1)
 
 
-def _gated_states(a, U, table, reset, seq):
+def _gated_states(a, U, h0c, reset):
     """Segmented associative scan of `S <- exp(a) S + U` over chunks (axis 2)."""
-    h0c = jnp.moveaxis(table[:, seq], 2, 1)
     r = reset[:, None]  # broadcasts against a [B, H, N, K|1]
     U = U + jnp.where(r[..., None], jnp.exp(a)[..., None] * h0c, 0)
 
@@ -166,8 +169,9 @@ def _gated_forward(p: Problem, q, k, v, g, table, seg):
     a = Gk[..., -1, :]  # [B, H, N, K|1]
     A = _intra_channel(q, k, G) if channel else _intra_scalar(q, k, G)
     U = jnp.einsum("bhnck,bhncv->bhnkv", k * jnp.exp(a[..., None, :] - Gk), v)
-    s_after = _gated_states(a, U, table, reset, seq)
-    h, _ = _shift_states(s_after, table, reset, seq)
+    h0c = _chunk_initial_states(table, seq)
+    s_after = _gated_states(a, U, h0c, reset)
+    h = _shift_states(s_after, h0c, reset)
     o = jnp.einsum("bhnij,bhnjv->bhniv", A, v) + jnp.einsum("bhnck,bhnkv->bhncv", q * jnp.exp(Gk), h)
     return _unchunk(o), _final(s_after, table, last, nonempty)
 
@@ -229,7 +233,7 @@ def _delta_forward(p: Problem, q, k, v, g, beta, table, seg, Tm):
     h_init = jnp.zeros_like(table[:, 0])
     _, (vn, s_after) = lax.scan(step, h_init, xs)
     vn, s_after = jnp.moveaxis(vn, 0, 2), jnp.moveaxis(s_after, 0, 2)
-    h, _ = _shift_states(s_after, table, reset, seq)
+    h = _shift_states(s_after, _chunk_initial_states(table, seq), reset)
     attn = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * _masked_exp(G[..., :, None] - G[..., None, :], _tril(C))
     o = jnp.einsum("bhnij,bhnjv->bhniv", attn, vn) + jnp.einsum("bhnck,bhnkv->bhncv", q * gamma[..., None], h)
     return _unchunk(o), _final(s_after, table, last, nonempty)
