@@ -40,6 +40,7 @@ GEN = BUILD / "gen"
 OBJ = BUILD / "obj"
 EXT = ROOT / "fla_jax" / "_ext.abi3.so"
 ARCH = ["-gencode", "arch=compute_90a,code=sm_90a"]
+MAX_DYNAMIC_SMEM = 227 * 1024  # per block on sm_90 (opt-in limit)
 DTYPE_ENUM = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int32": "S32"}
 SCALAR_C = {"float32": "float", "int32": "int32_t"}
 
@@ -145,12 +146,16 @@ def lower_one(variant, program, key: str) -> dict:
             smem = dims.get("tirx.use_dyn_shared_memory", 0)
             if not isinstance(smem, (int, tir.IntImm)):
                 raise NotImplementedError(f"{target_name}: dynamic shared memory {smem} is not a constant")
+            smem = int(smem.value if isinstance(smem, tir.IntImm) else smem)
+            if smem > MAX_DYNAMIC_SMEM:
+                raise ValueError(f"{target_name}: needs {smem} bytes of dynamic shared memory, more than the "
+                                 f"{MAX_DYNAMIC_SMEM} a block can have on sm_90 (fewer stages or smaller blocks)")
             launches.append({
                 "kernel": fname,
                 "args": kargs,
                 "grid": [_cexpr(dims.get(f"blockIdx.{x}", 1), tir) for x in "xyz"],
                 "block": [_cexpr(dims.get(f"threadIdx.{x}", 1), tir) for x in "xyz"],
-                "smem": int(smem.value if isinstance(smem, tir.IntImm) else smem),
+                "smem": smem,
             })
         elif fname != "__tvm_set_device":  # XLA has already made the device current
             raise NotImplementedError(f"{target_name}: host calls {fname}, which build.py does not translate")

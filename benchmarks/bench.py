@@ -6,7 +6,7 @@ jax-linear-attention's kernels, in one process, and prints a table (JSON with --
 Inputs: bf16 q/k/v, float32 gates, K = V = D, no initial state; the delta rules take
 `use_qk_l2norm_in_kernel=True` (jla's `use_qk_l2norm=True`) in every library. JAX timings: the
 median over 10 repetitions of (10 back-to-back calls, then `block_until_ready`) / 10, after
-warm-up; torch timings: `triton.testing.do_bench` median. fla's gated backward is refused on
+warm-up, fwd+bwd = `jax.value_and_grad` of `sum(o * do)`; torch timings: `triton.testing.do_bench` median. fla's gated backward is refused on
 Triton < 3.7.1 on Hopper (its issue #640); `--lift-fla-check` lifts that for timing only.
 """
 
@@ -109,7 +109,11 @@ def bench_jax(impl, op, shape):
     call = _jax_fns(impl, op)
     fwd = jax.jit(call)
     argnums = (0, 1, 2) + ((3,) if g is not None else ()) + ((4,) if beta is not None else ())
-    fwdbwd = jax.jit(jax.grad(lambda q, k, v, g, beta: jnp.sum(call(q, k, v, g, beta).astype(jnp.float32) * do), argnums=argnums))
+    # value_and_grad: a training step needs the loss, so the forward output is computed too (with
+    # grad alone XLA may drop a forward kernel whose output only feeds the loss)
+    fwdbwd = jax.jit(
+        jax.value_and_grad(lambda q, k, v, g, beta: jnp.sum(call(q, k, v, g, beta).astype(jnp.float32) * do), argnums=argnums)
+    )
     args = (q, k, v, g, beta)
     return _jax_time(fwd, args), _jax_time(fwdbwd, args)
 

@@ -71,8 +71,8 @@ def make_layout(T: int, cu_seqlens: jax.Array | None, chunk: int) -> Layout:
         )
     n = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
-    nchunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk
-    start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nchunks, dtype=jnp.int32)])
+    first, nchunks = chunk_ranges(cu, chunk)
+    start = jnp.concatenate([first, first[-1:] + nchunks[-1:]])
     nt = cdiv(T + n * (chunk - 1), chunk)
     t = jnp.arange(T, dtype=jnp.int32)
     sid = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
@@ -90,6 +90,13 @@ def make_layout(T: int, cu_seqlens: jax.Array | None, chunk: int) -> Layout:
         last=jnp.maximum(start[:-1] + nchunks - 1, 0),
         nonempty=nchunks > 0,
     )
+
+
+def chunk_ranges(cu_seqlens: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """`[N]` int32 first chunk and `[N]` int32 chunk count of each sequence in the varlen row."""
+    cu = cu_seqlens.astype(jnp.int32)
+    nchunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+    return jnp.cumsum(nchunks, dtype=jnp.int32) - nchunks, nchunks
 
 
 def pack(x: jax.Array | None, layout: Layout) -> jax.Array | None:

@@ -20,10 +20,12 @@ class Program:
     module: str
     builder: str
     outputs: tuple[str, ...]
+    config: tuple[tuple[str, int | bool], ...] = ()  # kernel config overrides (block sizes, threads, stages)
 
     def prim_func(self, variant: "Variant"):
         mod = importlib.import_module(f"kernels.{self.module}")
-        return getattr(mod, self.builder)(K=variant.head_k, V=variant.head_v, dtype=DTYPES[variant.dtype], BT=variant.chunk)
+        kw = dict(K=variant.head_k, V=variant.head_v, dtype=DTYPES[variant.dtype], BT=variant.chunk, **dict(self.config))
+        return getattr(mod, self.builder)(**kw)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,7 +43,7 @@ class Variant:
 
     @property
     def programs(self) -> tuple[Program, ...]:
-        return PROGRAMS[(self.op, self.direction)]
+        return PROGRAMS[(self.op, self.direction)] + EXPERIMENTS.get((self.op, self.direction, self.dtype, self.head_k), ())
 
     def target(self, program: Program) -> str:
         """The FFI target name of one program of this variant."""
@@ -50,12 +52,20 @@ class Variant:
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
-        Program(name="h", module="simple_gla.fwd", builder="chunk_fwd_h", outputs=("h", "ht")),
-        Program(name="o", module="simple_gla.fwd", builder="chunk_fwd_o", outputs=("o",)),
+        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
+        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
+    ),
+}
+
+# Alternative kernel configs built for one variant only, for benchmarks/bench_kernels.py to compare;
+# the dispatch never calls them.
+EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
+    ("simple_gla", "bwd", "bf16", 128): (
+        Program(name="x_dh_bk64", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("BK", 64),)),
     ),
 }
 

@@ -12,53 +12,76 @@ f32 = jnp.float32
 
 
 def _chunks(x):
-    B, T = x.shape[:2]
-    return x.reshape(B, T // C, C, *x.shape[2:]).astype(f32)
+    """Flat `[L, H, .]` -> `[1, NT, C, H, .]` (one row: the formulas below carry a row axis)."""
+    return x.reshape(1, x.shape[0] // C, C, *x.shape[1:]).astype(f32)
 
 
-def _scan_states(k, v, G, h0, reverse=False, q=None, scale=1.0):
-    """Forward: states before each chunk; reverse (q given): state gradients after each chunk."""
-    kc, vc, Gc = _chunks(k), _chunks(v), _chunks(G)  # [B, N, C, H, .]
-    qc = None if q is None else _chunks(q)
+def _ownership(NT, cstart, ccount):
+    """Per chunk: its sequence, and whether it is that sequence's first / last chunk."""
+    c = jnp.arange(NT)
+    own = (c[None] >= cstart[:, None]) & (c[None] < (cstart + ccount)[:, None])  # [N, NT]
+    seq = jnp.argmax(own, axis=0)
+    valid = jnp.any(own, axis=0)
+    return seq, valid & (c == cstart[seq]), valid & (c == cstart[seq] + ccount[seq] - 1)
+
+
+def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0):
+    """Forward (a = k, b = v): states before each chunk and after each sequence; reverse (a = q,
+    b = do, s0 = dht): state gradients after each chunk and before each sequence."""
+    ac, bc, Gc = _chunks(a)[0], _chunks(b)[0], _chunks(G)[0]  # [NT, C, H, .]
+    NT = ac.shape[0]
+    seq, first, last = _ownership(NT, cstart, ccount)
+    enter = last if reverse else first
 
     def step(S, n):
-        g = Gc[:, n]  # [B, C, H]
-        glast = g[:, -1]  # [B, H]
-        if qc is None:
-            upd = jnp.einsum("bchk,bchv->bhkv", kc[:, n] * jnp.exp(glast[:, None] - g)[..., None], vc[:, n])
+        g = Gc[n]  # [C, H]
+        glast = g[-1]
+        S = jnp.where(enter[n], s0[seq[n]].astype(f32), S)
+        if reverse:
+            upd = scale * jnp.einsum("chk,chv->hkv", ac[n] * jnp.exp(g)[..., None], bc[n])
         else:
-            upd = scale * jnp.einsum("bchk,bchv->bhkv", qc[:, n] * jnp.exp(g)[..., None], vc[:, n])
-        return jnp.exp(glast)[..., None, None] * S + upd, S
+            upd = jnp.einsum("chk,chv->hkv", ac[n] * jnp.exp(glast[None] - g)[..., None], bc[n])
+        out = jnp.exp(glast)[:, None, None] * S + upd
+        return out, (S, out)
 
-    order = jnp.arange(kc.shape[1])
-    final, states = jax.lax.scan(step, h0.astype(f32), order[::-1] if reverse else order)
-    states = jnp.moveaxis(states, 0, 1)
-    return (states[:, ::-1] if reverse else states), final
+    order = jnp.arange(NT)[::-1] if reverse else jnp.arange(NT)
+    _, (seen, after) = jax.lax.scan(step, jnp.zeros(s0.shape[1:], f32), order)
+    if reverse:
+        seen, after = seen[::-1], after[::-1]
+    leave = jnp.maximum(cstart if reverse else cstart + ccount - 1, 0)
+    final = jnp.where((ccount > 0)[:, None, None, None], after[leave], s0)
+    return seen, final
 
 
-def fwd_h(k, v, G, h0):
-    h, ht = _scan_states(k, v, G, h0)
-    return h.astype(k.dtype), ht
-
-
-def fwd_o(q, k, v, G, h, *, scale):
+def _fwd_o(q, k, v, G, h, *, scale):
     qc, kc, vc, Gc = _chunks(q), _chunks(k), _chunks(v), _chunks(G)
     mask = jnp.tril(jnp.ones((C, C), bool))[None, None, :, :, None]
-    decay = jnp.where(mask, jnp.exp(Gc[:, :, :, None] - Gc[:, :, None, :]), 0.0)  # [B, N, i, j, H]
+    decay = jnp.where(mask, jnp.exp(Gc[:, :, :, None] - Gc[:, :, None, :]), 0.0)  # [1, N, i, j, H]
     A = jnp.einsum("bnihk,bnjhk->bnijh", qc, kc) * decay * scale
     o = jnp.einsum("bnijh,bnjhv->bnihv", A, vc)
-    o += scale * jnp.einsum("bnihk,bnhkv->bnihv", qc * jnp.exp(Gc)[..., None], h.astype(f32))
-    return o.reshape(q.shape[0], q.shape[1], *o.shape[3:]).astype(q.dtype)
+    o += scale * jnp.einsum("bnihk,nhkv->bnihv", qc * jnp.exp(Gc)[..., None], h.astype(f32))
+    return o.reshape(q.shape[0], *o.shape[3:]).astype(q.dtype)
 
 
-def bwd_dh(q, do, G, dht, *, scale):
-    dh, dh0 = _scan_states(q, do, G, dht, reverse=True, q=q, scale=scale)
+def fwd_fused_h(q, k, v, G, h0, cstart, ccount, *, scale):
+    h, ht = _scan_states(k, v, G, h0, cstart, ccount)
+    h = h.astype(q.dtype)
+    return _fwd_o(q, k, v, G, h, scale=scale), h, ht
+
+
+def fwd_fused(q, k, v, G, h0, cstart, ccount, *, scale):
+    o, _, ht = fwd_fused_h(q, k, v, G, h0, cstart, ccount, scale=scale)
+    return o, ht
+
+
+def bwd_dh(q, do, G, dht, cstart, ccount, *, scale):
+    dh, dh0 = _scan_states(q, do, G, dht, cstart, ccount, reverse=True, scale=scale)
     return dh.astype(q.dtype), dh0
 
 
 def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale):
     qc, kc, vc, Gc, doc = (_chunks(x) for x in (q, k, v, G, do))
-    h, dh = h.astype(f32), dh.astype(f32)
+    h, dh = h.astype(f32)[None], dh.astype(f32)[None]
     mask = jnp.tril(jnp.ones((C, C), bool))[None, None, :, :, None]
     decay = jnp.where(mask, jnp.exp(Gc[:, :, :, None] - Gc[:, :, None, :]), 0.0)
     A = jnp.einsum("bnihk,bnjhk->bnijh", qc, kc) * decay * scale
@@ -73,11 +96,11 @@ def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale):
     dG = jnp.sum(qc * dq - kc * dk, -1)
     last = jnp.exp(glast[:, :, 0]) * jnp.sum(h * dh, (-1, -2)) + jnp.sum(kc * dk_inter, (2, 4))
     dG = dG.at[:, :, -1].add(last)
-    flat = lambda x, dt: x.reshape(q.shape[0], q.shape[1], *x.shape[3:]).astype(dt)
+    flat = lambda x, dt: x.reshape(q.shape[0], *x.shape[3:]).astype(dt)
     return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype), flat(dG, f32)
 
 
-PROGRAMS = {"_h": fwd_h, "_o": fwd_o, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg}
+PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg}
 
 
 def call(target, results, *args, **attrs):

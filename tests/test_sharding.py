@@ -159,3 +159,36 @@ def test_custom_partitioning_helper_splits_batch_and_heads_only():
     assert got2[0].shape == (2, 2, *args[0].shape[:3], args[2].shape[3])
     ref = body(*(x[1] for x in stacked[:4]), args[4])  # the unmapped initial state is shared
     assert err_ratio(ref[0], got2[0][1, 1]) < 1e-6 and err_ratio(ref[1], got2[1][0, 1]) < 1e-6
+
+
+def test_custom_partitioning_helper_varlen_tables_stay_whole():
+    """Varlen calls carry per-sequence arrays (no b or h axis): heads still split with no
+    collectives, the tables and states' sequence axis stay whole, and vmap maps one slice at a time."""
+    from fla_jax import _partition, _problem, xla
+
+    p = _problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype="float32")
+
+    def body(q, k, v, g, h0, cu):
+        return xla.run(p, q * 0.25, k, v, g, None, h0, cu)
+
+    f = _partition.batch_head_partitioned(body, ("bthk", "bthk", "bthv", "bth", "nhkv", "s"), ("bthv", "nhkv"))
+    case = Case("simple_gla", 1, 200, 8, 16, 16, h0=True, cu=(0, 0, 70, 200))
+    d, _ = make_inputs(case, 7)
+    cu = jnp.asarray(case.cu, jnp.int32)
+    args = (d["q"], d["k"], d["v"], d["g"], d["initial_state"], cu)
+    want = jax.jit(body)(*args)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+    specs = (P(None, None, "model", None),) * 3 + (P(None, None, "model"), P(None, "model"), P())
+    with jax.set_mesh(mesh):
+        sargs = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        jf = jax.jit(f)
+        hlo = jf.lower(*sargs).compile().as_text()
+        got = jf(*sargs)
+    assert not re.findall(COLLECTIVES, hlo)
+    assert err_ratio(want[0], got[0]) < 1e-6 and err_ratio(want[1], got[1]) < 1e-6
+    assert _spec(got[0]) == (None, None, "model", None) and _spec(got[1]) == (None, "model", None, None)
+    stacked = [jnp.stack([x, 2 * x]) for x in args[:4]]
+    got = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, None, None)))(*stacked, *args[4:])
+    for i in range(2):
+        ref = body(*(s[i] for s in stacked), *args[4:])
+        assert err_ratio(ref[0], got[0][i]) < 1e-6 and err_ratio(ref[1], got[1][i]) < 1e-6

@@ -1,5 +1,5 @@
-"""The tilelang backend's Python side (chunk padding, cumulative gates, the dg reverse cumsum,
-custom_vjp, partitioning) on CPU, with kernel_emulator standing in for the CUDA kernels."""
+"""The tilelang backend's Python side (chunk layout and varlen tables, cumulative gates and their
+gradient, custom_vjp, partitioning) on CPU, with kernel_emulator standing in for the CUDA kernels."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ CASES = [
     Case("simple_gla", 2, 100, 2, 64, 64, dtype="bfloat16", h0=True),
     Case("simple_gla", 1, 130, 2, 128, 128, dtype="float16", gate="g_gamma", norm=0.1),
     Case("simple_gla", 1, 64, 1, 64, 64, dtype="bfloat16", gate="none", h0=True),
+    Case("simple_gla", 1, 300, 2, 64, 64, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True),
+    Case("simple_gla", 1, 256, 2, 64, 64, dtype="float16", cu=(0, 64, 128, 256), gate="g_gamma"),
 ]
 
 
@@ -29,7 +31,8 @@ def emulated(monkeypatch):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_glue_matches_float64(case, emulated):
     p = Problem(op="simple_gla", delta=False, chunk_size=64, dtype=case.dtype)
-    assert _backends.resolve("auto", p, K=case.K, V=case.V, varlen=False, grouped=False, l2norm=False).name == "tilelang"
+    varlen = case.cu is not None
+    assert _backends.resolve("auto", p, K=case.K, V=case.V, varlen=varlen, grouped=False, l2norm=False).name == "tilelang"
     diff, cot = make_inputs(case, 21)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)

@@ -1,12 +1,14 @@
 """simple GLA backward in TileLang (fla's chunk_bwd_dh + a fused dq/dk/dv/dg consumer).
 
-Inputs as for the forward (T chunk-aligned, `g` = in-chunk cumulative log gates, float32), plus the
-states before each chunk `h [B, NT, H, K, V]` (recomputed by the forward's `chunk_fwd_h`).
+Token layout and inputs as for the forward (`kernels/simple_gla/fwd.py`: flat chunk rows, sequences
+from `cstart`/`ccount`, `g` = in-chunk cumulative log gates, float32), plus the states before each
+chunk `h [NT, H, K, V]` (stored by the forward, `chunk_fwd(store_h=True)`).
 
-* `chunk_bwd_dh`: one program per (V block, batch * head), chunks in reverse. `dh[n]` is the
-  gradient of the state after chunk n; `dh0` that of the initial state:
-  `dS_before = exp(G_C) dS_after + scale (q * exp(G))^T do`, starting from `dht`.
-* `chunk_bwd_dqkvg`: one program per (chunk, batch * head), looping over V blocks with A = the
+* `chunk_bwd_dh`: one program per (V block, K block, sequence * head), its chunks in reverse (rows
+  of the state gradient are independent, so K may be split in blocks of BK). `dh[c]` is
+  the gradient of the state after chunk c; `dh0[n]` that of sequence n's initial state:
+  `dS_before = exp(G_C) dS_after + scale (q * exp(G))^T do`, starting from `dht[n]`.
+* `chunk_bwd_dqkvg`: one program per (chunk, head), looping over V blocks with A = the
   masked, decayed `scale Q K^T` and `kd = k * exp(G_C - G)` kept on chip:
   `dv = kd dh + A^T do`, `dq = scale exp(G) (do h^T) + dS k`, `dk = exp(G_C - G) (v dh^T) + dS^T q`
   with `dS = scale (do v^T) * exp(G_i - G_j), j <= i`, and the gate gradient per position
@@ -18,71 +20,79 @@ states before each chunk `h [B, NT, H, K, V]` (recomputed by the forward's `chun
 import tilelang.language as T
 
 
-def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int = 128):
-    B, Tn, H, NT = T.dynamic("B, T, H, NT")
+def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: int | None = None,
+                 threads: int | None = None, stages: int = 2):
+    BK = BK or K
+    L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
+    threads = threads or (256 if BK > 128 else 128)
 
     @T.prim_func
     def main(
-        q: T.Tensor((B, Tn, H, K), dtype),
-        do: T.Tensor((B, Tn, H, V), dtype),
-        g: T.Tensor((B, Tn, H), acc),
-        dht: T.Tensor((B, H, K, V), acc),
+        q: T.Tensor((L, H, K), dtype),
+        do: T.Tensor((L, H, V), dtype),
+        g: T.Tensor((L, H), acc),
+        dht: T.Tensor((N, H, K, V), acc),
+        cstart: T.Tensor((N,), "int32"),
+        ccount: T.Tensor((N,), "int32"),
         scale: T.float32,
-        dh: T.Tensor((B, NT, H, K, V), dtype),
-        dh0: T.Tensor((B, H, K, V), acc),
+        dh: T.Tensor((NT, H, K, V), dtype),
+        dh0: T.Tensor((N, H, K, V), acc),
     ):
-        with T.Kernel(T.ceildiv(V, BV), B * H, threads=threads) as (iv, ibh):
-            ib = ibh // H
-            ih = ibh % H
-            b_dh = T.alloc_fragment((K, BV), acc)
-            dh_s = T.alloc_shared((K, BV), dtype)
-            q_s = T.alloc_shared((BT, K), dtype)
-            qd_s = T.alloc_shared((BT, K), dtype)
+        with T.Kernel(T.ceildiv(V, BV), T.ceildiv(K, BK), N * H, threads=threads) as (iv, ik, inh):
+            n = inh // H
+            ih = inh % H
+            b_dh = T.alloc_fragment((BK, BV), acc)
+            dh_s = T.alloc_shared((BK, BV), dtype)
+            q_s = T.alloc_shared((BT, BK), dtype)
+            qd_s = T.alloc_shared((BT, BK), dtype)
             do_s = T.alloc_shared((BT, BV), dtype)
             g_s = T.alloc_shared((BT,), acc)
-            T.copy(dht[ib, ih, 0:K, iv * BV : (iv + 1) * BV], b_dh)
-            for ir in T.Pipelined(NT, num_stages=1):
-                it = NT - 1 - ir
+            c1 = cstart[n] + ccount[n] - 1
+            T.copy(dht[n, ih, ik * BK : (ik + 1) * BK, iv * BV : (iv + 1) * BV], b_dh)
+            for ir in T.Pipelined(ccount[n], num_stages=stages):
+                t0 = (c1 - ir) * BT
+                T.copy(q[t0 : t0 + BT, ih, ik * BK : (ik + 1) * BK], q_s)
+                T.copy(do[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], do_s)
+                T.copy(g[t0 : t0 + BT, ih], g_s, disable_tma=True)
                 T.copy(b_dh, dh_s)
-                T.copy(dh_s, dh[ib, it, ih, 0:K, iv * BV : (iv + 1) * BV])
-                T.copy(q[ib, it * BT : (it + 1) * BT, ih, 0:K], q_s)
-                T.copy(do[ib, it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV], do_s)
-                T.copy(g[ib, it * BT : (it + 1) * BT, ih], g_s, disable_tma=True)
-                for i, j in T.Parallel(BT, K):
+                T.copy(dh_s, dh[c1 - ir, ih, ik * BK : (ik + 1) * BK, iv * BV : (iv + 1) * BV])
+                for i, j in T.Parallel(BT, BK):
                     qd_s[i, j] = T.cast(T.cast(q_s[i, j], acc) * T.exp(g_s[i]) * scale, dtype)
-                for i, j in T.Parallel(K, BV):
+                for i, j in T.Parallel(BK, BV):
                     b_dh[i, j] = b_dh[i, j] * T.exp(g_s[BT - 1])
                 T.gemm(qd_s, do_s, b_dh, transpose_A=True)
-            T.copy(b_dh, dh0[ib, ih, 0:K, iv * BV : (iv + 1) * BV])
+            T.copy(b_dh, dh0[n, ih, ik * BK : (ik + 1) * BK, iv * BV : (iv + 1) * BV])
 
     return main
 
 
-def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None):
-    B, Tn, H, NT = T.dynamic("B, T, H, NT")
+def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
+                    stages: int | None = None):
+    # two-stage loads over the V blocks: 0.387 against 0.431 ms at 4,4096,16,128 bf16 (H200); at
+    # K = 256 the second stage would need 273 KB of shared memory, over Hopper's 227 KB
+    stages = stages or (2 if K <= 128 else 1)
+    L, H, NT = T.dynamic("L, H, NT")
     acc = "float32"
     NV = V // BV
     threads = threads or 128
 
     @T.prim_func
     def main(
-        q: T.Tensor((B, Tn, H, K), dtype),
-        k: T.Tensor((B, Tn, H, K), dtype),
-        v: T.Tensor((B, Tn, H, V), dtype),
-        g: T.Tensor((B, Tn, H), acc),
-        h: T.Tensor((B, NT, H, K, V), dtype),
-        do: T.Tensor((B, Tn, H, V), dtype),
-        dh: T.Tensor((B, NT, H, K, V), dtype),
+        q: T.Tensor((L, H, K), dtype),
+        k: T.Tensor((L, H, K), dtype),
+        v: T.Tensor((L, H, V), dtype),
+        g: T.Tensor((L, H), acc),
+        h: T.Tensor((NT, H, K, V), dtype),
+        do: T.Tensor((L, H, V), dtype),
+        dh: T.Tensor((NT, H, K, V), dtype),
         scale: T.float32,
-        dq: T.Tensor((B, Tn, H, K), dtype),
-        dk: T.Tensor((B, Tn, H, K), dtype),
-        dv: T.Tensor((B, Tn, H, V), dtype),
-        dg: T.Tensor((B, Tn, H), acc),
+        dq: T.Tensor((L, H, K), dtype),
+        dk: T.Tensor((L, H, K), dtype),
+        dv: T.Tensor((L, H, V), dtype),
+        dg: T.Tensor((L, H), acc),
     ):
-        with T.Kernel(NT, B * H, threads=threads) as (it, ibh):
-            ib = ibh // H
-            ih = ibh % H
+        with T.Kernel(NT, H, threads=threads) as (it, ih):
             q_s = T.alloc_shared((BT, K), dtype)
             k_s = T.alloc_shared((BT, K), dtype)
             kd_s = T.alloc_shared((BT, K), dtype)
@@ -111,9 +121,9 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             qk_row2 = T.alloc_fragment((BT,), acc)
             kdk_one = T.alloc_fragment((1,), acc)
 
-            T.copy(q[ib, it * BT : (it + 1) * BT, ih, 0:K], q_s)
-            T.copy(k[ib, it * BT : (it + 1) * BT, ih, 0:K], k_s)
-            T.copy(g[ib, it * BT : (it + 1) * BT, ih], g_s, disable_tma=True)
+            T.copy(q[it * BT : (it + 1) * BT, ih, 0:K], q_s)
+            T.copy(k[it * BT : (it + 1) * BT, ih, 0:K], k_s)
+            T.copy(g[it * BT : (it + 1) * BT, ih], g_s, disable_tma=True)
             for i in T.Parallel(1):
                 hdh_s[i] = 0.0
             T.clear(acc_a)
@@ -126,11 +136,11 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             T.clear(acc_dq)
             T.clear(acc_dk)
             T.clear(acc_da)
-            for iv in T.Pipelined(NV, num_stages=1):
-                T.copy(v[ib, it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV], v_s)
-                T.copy(do[ib, it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV], do_s)
-                T.copy(h[ib, it, ih, 0:K, iv * BV : (iv + 1) * BV], h_s)
-                T.copy(dh[ib, it, ih, 0:K, iv * BV : (iv + 1) * BV], dh_s)
+            for iv in T.Pipelined(NV, num_stages=stages):
+                T.copy(v[it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV], v_s)
+                T.copy(do[it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV], do_s)
+                T.copy(h[it, ih, 0:K, iv * BV : (iv + 1) * BV], h_s)
+                T.copy(dh[it, ih, 0:K, iv * BV : (iv + 1) * BV], dh_s)
                 for i, j in T.Parallel(K, BV):
                     prod[i, j] = T.cast(h_s[i, j], acc) * T.cast(dh_s[i, j], acc)
                 T.reduce_sum(prod, prod_row, dim=1)
@@ -141,7 +151,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
                 T.gemm(kd_s, dh_s, acc_dv)
                 T.gemm(a_s, do_s, acc_dv, transpose_A=True)
                 T.copy(acc_dv, dv_s)
-                T.copy(dv_s, dv[ib, it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV])
+                T.copy(dv_s, dv[it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV])
                 T.gemm(do_s, v_s, acc_da, transpose_B=True)
                 T.gemm(do_s, h_s, acc_dq, transpose_B=True)
                 T.gemm(v_s, dh_s, acc_dk, transpose_B=True)
@@ -169,9 +179,9 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
                     i == BT - 1, T.exp(g_s[BT - 1]) * hdh_s[0] + kdk_one[0], 0.0
                 )
             T.copy(acc_dq, dq_s)
-            T.copy(dq_s, dq[ib, it * BT : (it + 1) * BT, ih, 0:K])
+            T.copy(dq_s, dq[it * BT : (it + 1) * BT, ih, 0:K])
             T.copy(acc_dk, dk_s)
-            T.copy(dk_s, dk[ib, it * BT : (it + 1) * BT, ih, 0:K])
-            T.copy(dg_s, dg[ib, it * BT : (it + 1) * BT, ih], disable_tma=True)
+            T.copy(dk_s, dk[it * BT : (it + 1) * BT, ih, 0:K])
+            T.copy(dg_s, dg[it * BT : (it + 1) * BT, ih], disable_tma=True)
 
     return main
