@@ -59,7 +59,10 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         B, T, H, D = (int(n) for n in shape.split("x"))
         for name, fn, a in programs(B, T, H, D):
-            rows.append({"shape": shape, "program": name, "ms": round(_jax_time(fn, a), 4)})
+            try:
+                rows.append({"shape": shape, "program": name, "ms": round(_jax_time(fn, a), 4)})
+            except Exception as e:  # noqa: BLE001  (a refused launch is a row, not the end of the run)
+                rows.append({"shape": shape, "program": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
