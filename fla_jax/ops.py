@@ -61,7 +61,7 @@ def _compute(backend, problem, scale, l2norm, *, q, k, v, g, beta, initial_state
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         initial_state = jnp.zeros((N, HV, q.shape[3], v.shape[3]), cdt)
     if backend.raw:
-        return backend.run(problem, q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
+        return backend.run(problem, q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, l2norm=l2norm)
     q, k = q.astype(cdt), k.astype(cdt)
     if l2norm:
         q, k = _l2norm(q), _l2norm(k)

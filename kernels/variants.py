@@ -55,6 +55,14 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
     ),
+    ("delta", "fwd"): (  # work in progress: not dispatched (fla_jax/tilelang_backend.py)
+        Program(name="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht")),
+        Program(name="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
+                config=(("store_h", True),)),
+    ),
+    ("delta", "bwd"): (  # work in progress, as above
+        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0")),
+    ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
@@ -72,8 +80,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
 HEAD_DIMS: Final = (64, 128, 256)
 
 VARIANTS: Final[tuple[Variant, ...]] = tuple(
-    Variant(op="simple_gla", direction=direction, dtype=dt, head_k=d, head_v=d)
-    for direction in ("fwd", "bwd")
+    Variant(op=op, direction=direction, dtype=dt, head_k=d, head_v=d)
+    for op, direction in PROGRAMS
     for dt in DTYPES
     for d in HEAD_DIMS
 )

@@ -103,9 +103,75 @@ def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale):
 PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg}
 
 
+def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
+    """kernels/delta/fwd.py `chunk_delta_fwd(store_h=True)`: o, v_new, h, ht."""
+    HV = u.shape[1]
+    rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
+    qc, kc, wc, uc, Gc = (_chunks(x)[0] for x in (rep(q), rep(k), w, u, G))  # [NT, C, HV, .]
+    NT = qc.shape[0]
+    seq, first, _ = _ownership(NT, cstart, ccount)
+    mask = jnp.tril(jnp.ones((C, C), bool))[:, :, None]
+    dt = q.dtype
+
+    def step(S, n):
+        S = jnp.where(first[n], h0[seq[n]], S)
+        Sd = S.astype(dt).astype(f32)
+        g = Gc[n]  # [C, HV]
+        vn = (uc[n] - jnp.einsum("chk,hkv->chv", wc[n], Sd)).astype(dt).astype(f32)
+        A = jnp.einsum("ihk,jhk->ijh", qc[n], kc[n]) * jnp.where(mask, jnp.exp(g[:, None] - g[None, :]), 0.0) * scale
+        A = A.astype(dt).astype(f32)
+        o = scale * jnp.einsum("chk,hkv->chv", qc[n] * jnp.exp(g)[..., None], Sd) + jnp.einsum("ijh,jhv->ihv", A, vn)
+        kd = (kc[n] * jnp.exp(g[-1][None] - g)[..., None]).astype(dt).astype(f32)
+        S = jnp.exp(g[-1])[:, None, None] * S + jnp.einsum("chk,chv->hkv", kd, vn)
+        return S, (o, vn, Sd, S)
+
+    _, (o, vn, h, after) = jax.lax.scan(step, jnp.zeros(h0.shape[1:], f32), jnp.arange(NT))
+    last = jnp.maximum(cstart + ccount - 1, 0)
+    ht = jnp.where((ccount > 0)[:, None, None, None], after[last], h0)
+    flat = lambda x: x.reshape(q.shape[0], *x.shape[2:]).astype(dt)
+    return flat(o), flat(vn), h.astype(dt), ht
+
+
+def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
+    o, vn, _, ht = delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, scale=scale)
+    return o, vn, ht
+
+
+def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
+    """kernels/delta/bwd.py `chunk_delta_bwd_dh`: dh (after each chunk), dh0."""
+    HV = do.shape[1]
+    rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
+    qc, kc, wc, doc, Gc = (_chunks(x)[0] for x in (rep(q), rep(k), w, do, G))
+    NT = qc.shape[0]
+    seq, first, last = _ownership(NT, cstart, ccount)
+    mask = jnp.tril(jnp.ones((C, C), bool))[:, :, None]
+    dt = q.dtype
+    rnd = lambda x: x.astype(dt).astype(f32)
+
+    def step(S, n):
+        S = jnp.where(last[n], dht[seq[n]], S)
+        Sd = rnd(S)
+        g = Gc[n]
+        A = rnd(jnp.einsum("ihk,jhk->ijh", qc[n], kc[n]) * jnp.where(mask, jnp.exp(g[:, None] - g[None, :]), 0.0) * scale)
+        kd = rnd(kc[n] * jnp.exp(g[-1][None] - g)[..., None])
+        qd = rnd(qc[n] * jnp.exp(g)[..., None] * scale)
+        dv = rnd(jnp.einsum("ijh,ihv->jhv", A, doc[n]) + jnp.einsum("chk,hkv->chv", kd, Sd))
+        S_before = jnp.exp(g[-1])[:, None, None] * S + jnp.einsum("chk,chv->hkv", qd, doc[n]) - jnp.einsum("chk,chv->hkv", wc[n], dv)
+        return S_before, (Sd, S_before)
+
+    _, (dh, before) = jax.lax.scan(step, jnp.zeros(dht.shape[1:], f32), jnp.arange(NT)[::-1])
+    dh, before = dh[::-1], before[::-1]
+    dh0 = jnp.where((ccount > 0)[:, None, None, None], before[jnp.maximum(cstart, 0)], dht)
+    return dh.astype(dt), dh0
+
+
+DELTA_PROGRAMS = {"_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh}
+
+
 def call(target, results, *args, **attrs):
     """Drop-in for fla_jax.tilelang_backend._call."""
-    fn = next(f for suffix, f in PROGRAMS.items() if target.endswith(suffix))
+    programs = DELTA_PROGRAMS if target.startswith("fla_delta_") else PROGRAMS
+    fn = next(f for suffix, f in programs.items() if target.endswith(suffix))
     attrs = {k: float(v) for k, v in attrs.items()}
     out = fn(*args, **attrs)
     shapes = results if isinstance(results, tuple) else (results,)

@@ -78,6 +78,35 @@ def test_tilelang_matches_float64(case, monkeypatch):
     assert not bad, bad
 
 
+DELTA_GPU_CASES = [
+    Case("gated_delta_rule", 2, 1000, 4, 128, 128, dtype="bfloat16", h0=True, l2norm=True),
+    Case("gated_delta_rule", 1, 1000, 2, 128, 128, HV=4, dtype="bfloat16", cu=(0, 0, 300, 301, 640, 1000), h0=True, l2norm=True),
+    Case("gated_delta_rule", 1, 700, 2, 64, 64, dtype="float16", norm=0.1),
+    Case("gated_delta_rule", 2, 130, 2, 256, 256, dtype="bfloat16", l2norm=True, h0=True),
+    Case("delta_rule", 2, 500, 2, 128, 128, dtype="bfloat16", h0=True),  # gates off
+    Case("delta_rule", 1, 300, 2, 64, 64, dtype="float16", l2norm=True, cu=(0, 64, 64, 300)),
+]
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
+def test_tilelang_delta_matches_float64(case, monkeypatch):
+    """Work in progress: the delta-rule kernels (switched on here) against float64 under
+    NaN-poisoned outputs, with fla's ratios (o 0.006, gradients 0.008, dbeta/dg 0.02)."""
+    monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    diff, cot = make_inputs(case, 13)
+    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
+    errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
+    print(case, {n: f"{e:.1e}" for n, e in errs.items()})
+    limit = lambda n: 0.006 if n in ("o", "ht") else 0.02 if n in ("dbeta", "dg") else 0.008
+    bad = {n: e for n, e in errs.items() if not e <= limit(n)}
+    assert not bad, bad
+
+
 @on_hopper
 @pytest.mark.gpu
 def test_tilelang_long_sequence_has_no_index_overflow():
@@ -124,6 +153,10 @@ def test_unsupported_calls_say_why(monkeypatch):
     assert "K = 96" in tilelang_backend.unsupported(p, **dict(call, K=96, V=96))
     assert tilelang_backend.unsupported(p, **dict(call, varlen=True)) is None
     assert "gla" in tilelang_backend.unsupported(_problem.Problem(op="gla", delta=False, chunk_size=64, dtype="bfloat16"), **call)
+    gdn = _problem.Problem(op="gated_delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
+    assert "gated_delta_rule" in tilelang_backend.unsupported(gdn, **call)  # built, switched off
+    monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
+    assert tilelang_backend.unsupported(gdn, **dict(call, grouped=True, l2norm=True)) is None
     monkeypatch.setattr(tilelang_backend, "registered", lambda: [])  # an extension built before these kernels
     assert "rebuild" in tilelang_backend.unsupported(p, **call)
 
@@ -231,3 +264,31 @@ def test_tilelang_matches_fla_triton(gate):
     errs = {"o": err_ratio(as_np(fo), o), "ht": err_ratio(as_np(fht), ht)}
     print(gate, {n: f"{e:.1e}" for n, e in errs.items()})
     assert errs["o"] < 0.004 and errs["ht"] < 0.004, errs
+
+
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_delta_export_for_cuda_has_the_custom_calls(K, monkeypatch):
+    """Work in progress: with the delta kernels switched on, GDN (grouped heads, l2 norm) and its
+    gradient lower for CUDA to the sequential kernels (forward; forward storing states and the
+    reverse state-gradient pass) around XLA's parallel parts."""
+    monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
+    monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
+    x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
+    v = jnp.zeros((1, 100, 4, K), jnp.bfloat16)
+    gb = jnp.zeros((1, 100, 4), jnp.float32)
+
+    def f(q, k, v, g, beta):
+        return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                              backend="tilelang")
+
+    names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in (("fwd", "fused"), ("fwd", "fused_h"), ("bwd", "dh"))]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]
+    fwd = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(x, x, v, gb, gb)
+    assert re.findall(r"custom_call @(fla_\w+)", fwd.mlir_module()) == names[:1]
+
+    def loss(*a):
+        o, ht = f(*a)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    both = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"], disabled_checks=checks)
+    assert sorted(re.findall(r"custom_call @(fla_\w+)", both(x, x, v, gb, gb).mlir_module())) == sorted(names[1:])

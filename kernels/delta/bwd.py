@@ -1,0 +1,91 @@
+"""Delta rule / GDN backward in TileLang: the sequential part (work in progress: lowered and
+compiled on the CPU box (CI), not yet run on a GPU, not dispatched: `DELTA_ENABLED`).
+
+Layout and inputs as for `kernels/delta/fwd.py`, plus `w [L, HV, K]` and the states before each
+chunk `h [NT, HV, K, V]` stored by the forward (`store_h`).
+
+* `chunk_delta_bwd_dh`: one program per (V block, sequence * value head), its chunks in reverse,
+  the state gradient on chip. With `dS` the gradient of the state after the chunk (from `dht` at
+  a sequence's last chunk):
+  `dv_new = (scale Q K^T * exp(G_i - G_j), j <= i)^T do + (k * exp(G_C - G)) dS`,
+  `dS <- exp(G_C) dS + scale (q * exp(G))^T do - w^T dv_new`.
+  Writes `dh[c]`, the gradient of the state after chunk c (input dtype), and `dh0 [N, HV, K, V]`.
+  Everything else of the backward is parallel over chunks given these (the per-chunk VJP).
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
+import tilelang.language as T
+
+
+def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
+                       stages: int | None = None):
+    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    acc = "float32"
+    threads = threads or (256 if K > 128 else 128)
+    stages = stages or (2 if K <= 128 else 1)  # two stages at K = 256 would exceed 227 KB of shared memory
+
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        k: T.Tensor((L, H, K), dtype),
+        w: T.Tensor((L, HV, K), dtype),
+        do: T.Tensor((L, HV, V), dtype),
+        g: T.Tensor((L, HV), acc),
+        dht: T.Tensor((N, HV, K, V), acc),
+        cstart: T.Tensor((N,), "int32"),
+        ccount: T.Tensor((N,), "int32"),
+        scale: T.float32,
+        dh: T.Tensor((NT, HV, K, V), dtype),
+        dh0: T.Tensor((N, HV, K, V), acc),
+    ):
+        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=threads) as (iv, inh):
+            n = inh // HV
+            ihv = inh % HV
+            ih = ihv // (HV // H)
+            b_dh = T.alloc_fragment((K, BV), acc)
+            dh_s = T.alloc_shared((K, BV), dtype)
+            q_s = T.alloc_shared((BT, K), dtype)
+            k_s = T.alloc_shared((BT, K), dtype)
+            w_s = T.alloc_shared((BT, K), dtype)
+            qd_s = T.alloc_shared((BT, K), dtype)
+            kd_s = T.alloc_shared((BT, K), dtype)
+            do_s = T.alloc_shared((BT, BV), dtype)
+            dv_s = T.alloc_shared((BT, BV), dtype)
+            a_s = T.alloc_shared((BT, BT), dtype)
+            g_s = T.alloc_shared((BT,), acc)
+            acc_a = T.alloc_fragment((BT, BT), acc)
+            acc_dv = T.alloc_fragment((BT, BV), acc)
+            c1 = cstart[n] + ccount[n] - 1
+            T.copy(dht[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_dh)
+            for ir in T.Pipelined(ccount[n], num_stages=stages):
+                t0 = (c1 - ir) * BT
+                T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
+                T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
+                T.copy(w[t0 : t0 + BT, ihv, 0:K], w_s)
+                T.copy(do[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], do_s)
+                T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
+                T.copy(b_dh, dh_s)
+                T.copy(dh_s, dh[c1 - ir, ihv, 0:K, iv * BV : (iv + 1) * BV])
+                # dv_new = A^T do + kd dS   (A: the masked, decayed, scaled Q K^T)
+                T.clear(acc_a)
+                T.gemm(q_s, k_s, acc_a, transpose_B=True)
+                for a, b in T.Parallel(BT, BT):
+                    acc_a[a, b] = T.if_then_else(a >= b, acc_a[a, b] * T.exp(g_s[a] - g_s[b]) * scale, 0.0)
+                T.copy(acc_a, a_s)
+                for a, b in T.Parallel(BT, K):
+                    kd_s[a, b] = T.cast(T.cast(k_s[a, b], acc) * T.exp(g_s[BT - 1] - g_s[a]), dtype)
+                    qd_s[a, b] = T.cast(T.cast(q_s[a, b], acc) * T.exp(g_s[a]) * scale, dtype)
+                T.clear(acc_dv)
+                T.gemm(a_s, do_s, acc_dv, transpose_A=True)
+                T.gemm(kd_s, dh_s, acc_dv)
+                T.copy(acc_dv, dv_s)
+                # dS <- exp(G_C) dS + (q exp(G) scale)^T do - w^T dv_new
+                for a, b in T.Parallel(K, BV):
+                    b_dh[a, b] = b_dh[a, b] * T.exp(g_s[BT - 1])
+                T.gemm(qd_s, do_s, b_dh, transpose_A=True)
+                for a, b in T.Parallel(BT, BV):
+                    dv_s[a, b] = -dv_s[a, b]
+                T.gemm(w_s, dv_s, b_dh, transpose_A=True)
+            T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+
+    return main

@@ -1,0 +1,128 @@
+"""Delta rule / gated delta rule (GDN) forward in TileLang: the sequential part.
+
+Work in progress: lowered and compiled on the CPU box (CI), not yet run on a GPU, so not
+dispatched (`fla_jax.tilelang_backend.DELTA_ENABLED`).
+
+Token layout as for simple GLA (`kernels/simple_gla/fwd.py`): flat chunk rows, sequences from
+`cstart`/`ccount`, `g` = in-chunk cumulative log gates (zeros for the plain delta rule), float32.
+The WY preparation is done before this kernel, per chunk and in parallel: with
+`T = (I + tril(Diag(beta)(K K^T * Gamma), -1))^{-1}`, `w = T (k * beta * exp(G))` and
+`u = T (v * beta)`, both `[L, HV, .]` per value head.
+
+* `chunk_delta_fwd`: one program per (V block, sequence * value head), chunks in order, the state
+  on chip; per chunk
+  `v_new = u - w S`, `o = scale (q * exp(G)) S + (scale Q K^T * exp(G_i - G_j), j <= i) v_new`,
+  `S <- exp(G_C) S + (k * exp(G_C - G))^T v_new`.
+  Writes `o`, `v_new` (input dtype, for the backward), the final states `ht`, and with
+  `store_h` the state before every chunk `h [NT, HV, K, V]`. Grouped heads: value head j reads
+  q/k head `j // (HV / H)`.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
+import tilelang.language as T
+
+
+def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
+                    stages: int | None = None, store_h: bool = False):
+    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    acc = "float32"
+    threads = threads or (256 if K > 128 else 128)
+    stages = stages or (2 if K <= 128 else 1)  # two stages at K = 256 would exceed 227 KB of shared memory
+
+    @T.macro
+    def body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h):
+        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=threads) as (iv, inh):
+            n = inh // HV
+            ihv = inh % HV
+            ih = ihv // (HV // H)
+            b_h = T.alloc_fragment((K, BV), acc)
+            h_s = T.alloc_shared((K, BV), dtype)
+            q_s = T.alloc_shared((BT, K), dtype)
+            k_s = T.alloc_shared((BT, K), dtype)
+            w_s = T.alloc_shared((BT, K), dtype)
+            kd_s = T.alloc_shared((BT, K), dtype)
+            u_s = T.alloc_shared((BT, BV), dtype)
+            vn_s = T.alloc_shared((BT, BV), dtype)
+            s_s = T.alloc_shared((BT, BT), dtype)
+            o_s = T.alloc_shared((BT, BV), dtype)
+            g_s = T.alloc_shared((BT,), acc)
+            acc_v = T.alloc_fragment((BT, BV), acc)
+            acc_o = T.alloc_fragment((BT, BV), acc)
+            acc_s = T.alloc_fragment((BT, BT), acc)
+            c0 = cstart[n]
+            T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
+            for i in T.Pipelined(ccount[n], num_stages=stages):
+                t0 = (c0 + i) * BT
+                T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
+                T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
+                T.copy(w[t0 : t0 + BT, ihv, 0:K], w_s)
+                T.copy(u[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], u_s)
+                T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
+                T.copy(b_h, h_s)
+                if store_h:
+                    T.copy(h_s, h[c0 + i, ihv, 0:K, iv * BV : (iv + 1) * BV])
+                T.clear(acc_v)
+                T.gemm(w_s, h_s, acc_v)
+                for a, b in T.Parallel(BT, BV):
+                    acc_v[a, b] = T.cast(u_s[a, b], acc) - acc_v[a, b]
+                T.copy(acc_v, vn_s)
+                T.copy(vn_s, vnew[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+                T.clear(acc_o)
+                T.clear(acc_s)
+                T.gemm(q_s, h_s, acc_o)
+                T.gemm(q_s, k_s, acc_s, transpose_B=True)
+                for a, b in T.Parallel(BT, BV):
+                    acc_o[a, b] = acc_o[a, b] * T.exp(g_s[a]) * scale
+                for a, b in T.Parallel(BT, BT):
+                    acc_s[a, b] = T.if_then_else(a >= b, acc_s[a, b] * T.exp(g_s[a] - g_s[b]) * scale, 0.0)
+                T.copy(acc_s, s_s)
+                T.gemm(s_s, vn_s, acc_o)
+                T.copy(acc_o, o_s)
+                T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+                for a, b in T.Parallel(BT, K):
+                    kd_s[a, b] = T.cast(T.cast(k_s[a, b], acc) * T.exp(g_s[BT - 1] - g_s[a]), dtype)
+                for a, b in T.Parallel(K, BV):
+                    b_h[a, b] = b_h[a, b] * T.exp(g_s[BT - 1])
+                T.gemm(kd_s, vn_s, b_h, transpose_A=True)
+            T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+
+    if store_h:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            h0: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, HV, V), dtype),
+            vnew: T.Tensor((L, HV, V), dtype),
+            h: T.Tensor((NT, HV, K, V), dtype),
+            ht: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            h0: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, HV, V), dtype),
+            vnew: T.Tensor((L, HV, V), dtype),
+            ht: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, None)
+
+    return main
