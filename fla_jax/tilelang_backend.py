@@ -303,9 +303,11 @@ def _delta_kernel_bwd(p: Problem, scale: float, q, k, v, G, beta, h, *rest):
     _, bwd = _delta_targets(p, K, V)
     dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht, jnp.float32)), qf, kf, wd, dof, Gf,
                     dht.astype(jnp.float32), cstart, ccount, scale=np.float32(scale))
-    _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), qf, kf, wd, ud, Gf, hf)
-    dq, dk, dw, du, dG, _ = local_vjp((dof.astype(jnp.float32), dh.astype(jnp.float32)))
-    dk2, dv, dG2, dbeta = prep_vjp((dw.astype(jnp.float32), du.astype(jnp.float32), jnp.zeros((qf.shape[0] // C, vf.shape[1], C, C), jnp.float32)))
+    # the VJP in float32 (inputs as the kernels saw them, rounded to the input dtype)
+    f32 = lambda x: x.astype(jnp.float32)
+    _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
+    dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
+    dk2, dv, dG2, dbeta = prep_vjp((dw, du, jnp.zeros((qf.shape[0] // C, vf.shape[1], C, C), jnp.float32)))
     rows = lambda x, dt: x.reshape(B, Lr, *x.shape[1:]).astype(dt)
     return (rows(dq, q.dtype), rows(dk + dk2, k.dtype), rows(dv, v.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
