@@ -103,29 +103,39 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     """Raw inputs (q, k, v in their dtype, not scaled, not normalised), as `_compute` hands them
     to this backend.
 
-    Tokens are laid out in chunk rows as for the xla backend (`fla_jax._layout`: every sequence
-    starts at a chunk boundary, zeros in padding slots); the in-chunk gate cumulative sum is taken
-    here, so its gradient (a reverse cumulative sum) is JAX's."""
-    if p.delta:
-        return run_delta(p, q, k, v, g, beta, h0, cu_seqlens, scale=scale, l2norm=l2norm)
+    q and k are l2-normalised here when asked (delta rules; differentiated by JAX). Tokens are laid
+    out in chunk rows as for the xla backend (`fla_jax._layout`: every sequence starts at a chunk
+    boundary, zeros in padding slots); the in-chunk gate cumulative sum is taken here, so its
+    gradient (a reverse cumulative sum) is JAX's."""
     T = q.shape[1]
     C = p.chunk_size
+    if l2norm:
+        norm = lambda x: (x * jax.lax.rsqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(x.dtype)
+        q, k = norm(q), norm(k)
     layout = _layout.make_layout(T, cu_seqlens, C)
-    g32 = jnp.zeros(q.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)
-    q, k, v, g32 = (_layout.pack(x, layout) for x in (q, k, v, g32))
-    G = jnp.cumsum(g32.reshape(*g32.shape[:1], -1, C, g32.shape[2]), axis=2).reshape(g32.shape)
+    g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)
+    beta = beta.astype(jnp.float32) if p.delta else None
+    q, k, v, g32, beta = (_layout.pack(x, layout) for x in (q, k, v, g32, beta))
+    G = jnp.cumsum(g32.reshape(g32.shape[0], -1, C, g32.shape[2]), axis=2).reshape(g32.shape)
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
-    o, ht = _simple_gla(p, float(scale), q, k, v, G, h0.astype(jnp.float32), *tables)
+    tokens = (q, k, v, G) + ((beta,) if p.delta else ())
+    o, ht = _op(p, float(scale), *tokens, h0.astype(jnp.float32), *tables)
     return _layout.unpack(o, layout, T), ht
+
+
+# Per-token arrays handed to the kernels' Python side (the delta rules add beta), with the axis
+# letters of `fla_jax._partition`.
+def _token_layouts(p: Problem) -> tuple[str, ...]:
+    return ("bthk", "bthk", "bthv", "bth") + (("bth",) if p.delta else ())
 
 
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     """{program name: FFI target} of one variant."""
-    variant = _find_variant(p.op, direction, p.dtype, K, V)
+    variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, V)
     return {prog.name: variant.target(prog) for prog in variant.programs}
 
 
-def _flat(C, q, k, v, G, tables):
+def _flat(C, q, *rest, tables):
     """Chunk rows `[B, NT * C, H, .]` -> one flat row, and the (first chunk, chunk count) of
     each sequence: the dense rows' own, or the varlen tables."""
     B, Lr = q.shape[:2]
@@ -133,43 +143,69 @@ def _flat(C, q, k, v, G, tables):
         nt = Lr // C
         tables = (jnp.arange(B, dtype=jnp.int32) * nt, jnp.full((B,), nt, jnp.int32))
     flat = lambda x: x.reshape(B * Lr, *x.shape[2:])
-    return (flat(q), flat(k), flat(v), flat(G)), tables
-
-
-def _forward(p: Problem, scale: float, store_h: bool, q, k, v, G, h0, *tables):
-    """`(o, ht)`, or `(o, h, ht)` with `store_h` (h: `[B, NT, H, K, V]`, the state before each
-    chunk, for the backward)."""
-    B, Lr, H, K = q.shape
-    V = v.shape[-1]
-    (qf, kf, vf, Gf), (cstart, ccount) = _flat(p.chunk_size, q, k, v, G, tables)
-    o = jax.ShapeDtypeStruct(vf.shape, q.dtype)
-    ht = jax.ShapeDtypeStruct(h0.shape, jnp.float32)
-    NT = qf.shape[0] // p.chunk_size
-    h = (jax.ShapeDtypeStruct((NT, H, K, V), q.dtype),) if store_h else ()
-    out = _call(
-        _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
-        (o, *h, ht), qf, kf, vf, Gf, h0, cstart, ccount, scale=np.float32(scale),
-    )
-    return (out[0].reshape(B, Lr, H, V), *(x.reshape(B, NT // B, H, K, V) for x in out[1:-1]), out[-1])
-
-
-def _backward(p: Problem, scale: float, q, k, v, G, h, *rest):
-    B, Lr, H, K = q.shape
-    V = v.shape[-1]
-    tables, (do, dht) = rest[:-2], rest[-2:]
-    (qf, kf, vf, Gf), (cstart, ccount) = _flat(p.chunk_size, q, k, v, G, tables)
-    dof = do.reshape(vf.shape)
-    hf = h.reshape(-1, *h.shape[2:])
-    bwd = _targets(p, "bwd", K, V)
-    s = np.float32(scale)
-    dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht, jnp.float32)), qf, dof, Gf, dht.astype(jnp.float32), cstart, ccount, scale=s)
-    dq, dk, dv, dG = _call(bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, hf, dof, dh, scale=s)
-    unflat = lambda x: x.reshape(B, Lr, *x.shape[1:])
-    return unflat(dq), unflat(dk), unflat(dv), unflat(dG), dh0
+    return tuple(flat(x) for x in (q, *rest)), tables
 
 
 def _like(x, dtype=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
+
+
+def _forward(p: Problem, scale: float, store_h: bool, *arrays):
+    """`(o, ht)`, or `(o, h, ht)` with `store_h` (h: `[B, NT, HV, K, V]`, the state before each
+    chunk, for the backward). `arrays`: the token arrays, h0, the varlen tables."""
+    n = len(_token_layouts(p))
+    tokens, h0, tables = arrays[:n], arrays[n], arrays[n + 1 :]
+    C = p.chunk_size
+    B, Lr, _, K = tokens[0].shape
+    flat, (cstart, ccount) = _flat(C, *tokens, tables=tables)
+    qf, kf, vf, Gf = flat[:4]
+    HV, V = vf.shape[1:]
+    dt = qf.dtype
+    NT = qf.shape[0] // C
+    if p.delta:  # WY preparation in XLA; the kernel reads w and u instead of v
+        w, u, _ = _delta_prepare(C, kf, vf, Gf, flat[4])
+        ins, extra = (qf, kf, w.astype(dt), u.astype(dt)), (_like(vf),)  # extra result: v_new
+    else:
+        ins, extra = (qf, kf, vf), ()
+    h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
+    out = _call(
+        _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
+        (_like(vf), *extra, *h, _like(h0, jnp.float32)), *ins, Gf, h0, cstart, ccount, scale=np.float32(scale),
+    )
+    h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
+    return (out[0].reshape(B, Lr, HV, V), *h, out[-1])
+
+
+def _backward(p: Problem, scale: float, *arrays):
+    """Gradients of the token arrays and of h0, from (token arrays, h, tables, do, dht)."""
+    n = len(_token_layouts(p))
+    tokens, h, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : -2], arrays[-2:]
+    C = p.chunk_size
+    B, Lr, _, K = tokens[0].shape
+    flat, (cstart, ccount) = _flat(C, *tokens, tables=tables)
+    qf, kf, vf, Gf = flat[:4]
+    V = vf.shape[-1]
+    dof = do.reshape(vf.shape)
+    hf = h.reshape(-1, *h.shape[2:])
+    s = np.float32(scale)
+    bwd = _targets(p, "bwd", K, V)
+    dht = dht.astype(jnp.float32)
+    rows = lambda x, dt: x.reshape(B, Lr, *x.shape[1:]).astype(dt)
+    if not p.delta:
+        dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, dof, Gf, dht, cstart, ccount, scale=s)
+        grads = _call(bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, hf, dof, dh, scale=s)
+        return (*(rows(g, g.dtype) for g in grads), dh0)
+    # delta rules: the reverse state-gradient pass in the kernel, then JAX's VJP of one chunk's
+    # forward given its state (`_delta_local`) and of the WY preparation, parallel over chunks
+    (w, u, _), prep_vjp = jax.vjp(lambda *a: _delta_prepare(C, *a), kf, vf, Gf, flat[4])
+    wd, ud = w.astype(qf.dtype), u.astype(qf.dtype)
+    dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
+    f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
+    _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
+    dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
+    dk2, dv, dG2, dbeta = prep_vjp((dw, du, jnp.zeros((qf.shape[0] // C, vf.shape[1], C, C), jnp.float32)))
+    return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
+            rows(dbeta, jnp.float32), dh0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,40 +215,42 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool):
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
     states whole."""
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
-    ins = ("bthk", "bthk", "bthv", "bth", state) + tables
-    if direction == "fwd":
-        fn, outs = functools.partial(_forward, p, scale, False), ("bthv", state)
-    elif direction == "fwd_h":
-        fn, outs = functools.partial(_forward, p, scale, True), ("bthv", "bchkv", state)
-    else:
+    tokens = _token_layouts(p)
+    if direction == "bwd":
+        ins, outs = tokens + ("bchkv",) + tables + ("bthv", state), tokens + (state,)
         fn = functools.partial(_backward, p, scale)
-        ins = ("bthk", "bthk", "bthv", "bth", "bchkv") + tables + ("bthv", state)
-        outs = ("bthk", "bthk", "bthv", "bth", state)
+    else:
+        ins = tokens + (state,) + tables
+        outs = ("bthv", "bchkv", state) if direction == "fwd_h" else ("bthv", state)
+        fn = functools.partial(_forward, p, scale, direction == "fwd_h")
     return _partition.batch_head_partitioned(fn, ins, outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _simple_gla(p, scale, q, k, v, G, h0, *tables):
-    return _partitioned(p, scale, "fwd", bool(tables))(q, k, v, G, h0, *tables)
+def _op(p, scale, *arrays):
+    """`(o, ht)` from (token arrays, h0, varlen tables); gradients by the backward kernels."""
+    n = len(_token_layouts(p))
+    return _partitioned(p, scale, "fwd", len(arrays) > n + 1)(*arrays)
 
 
-def _simple_gla_fwd(p, scale, q, k, v, G, h0, *tables):
-    o, h, ht = _partitioned(p, scale, "fwd_h", bool(tables))(q, k, v, G, h0, *tables)
-    return (o, ht), (q, k, v, G, h, tables)
+def _op_fwd(p, scale, *arrays):
+    n = len(_token_layouts(p))
+    o, h, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + 1)(*arrays)
+    return (o, ht), (arrays[:n], h, arrays[n + 1 :])
 
 
-def _simple_gla_bwd(p, scale, res, ct):
-    q, k, v, G, h, tables = res
+def _op_bwd(p, scale, res, ct):
+    tokens, h, tables = res
     do, dht = ct
-    grads = _partitioned(p, scale, "bwd", bool(tables))(q, k, v, G, h, *tables, do.astype(q.dtype), dht)
+    grads = _partitioned(p, scale, "bwd", bool(tables))(*tokens, h, *tables, do.astype(tokens[0].dtype), dht)
     return (*grads, *(None for _ in tables))
 
 
-_simple_gla.defvjp(_simple_gla_fwd, _simple_gla_bwd)
+_op.defvjp(_op_fwd, _op_bwd)
 
 
 # ----------------------------------------------------------------------------- delta rules
-# chunk_delta_rule / chunk_gated_delta_rule: WY preparation and the per-chunk VJPs in XLA, the
+# chunk_delta_rule / chunk_gated_delta_rule: the WY preparation and the per-chunk VJPs in XLA, the
 # sequential passes in `kernels/delta/`. Switched off by DELTA_ENABLED until they pass on a GPU.
 
 
@@ -260,107 +298,3 @@ def _delta_local(C: int, scale: float, q, k, w, u, G, h):
     kd = kc * jnp.exp(glast[:, None] - Gc)[..., None]
     after = jnp.exp(glast)[..., None, None] * hf + jnp.einsum("nchk,nchv->nhkv", kd, vn, precision=hi)
     return o.reshape(L, HV, V), after
-
-
-def _delta_targets(p: Problem, K: int, V: int) -> tuple[dict, dict]:
-    return (
-        {pr.name: v.target(pr) for v in [_find_variant("delta", "fwd", p.dtype, K, V)] for pr in v.programs},
-        {pr.name: v.target(pr) for v in [_find_variant("delta", "bwd", p.dtype, K, V)] for pr in v.programs},
-    )
-
-
-def _delta_kernel_fwd(p: Problem, scale: float, store_h: bool, q, k, v, G, beta, h0, *tables):
-    """Forward on chunk rows `[B, Lr, .]`: `(o, ht)`, or `(o, h, ht)` with `store_h`."""
-    C = p.chunk_size
-    B, Lr = q.shape[:2]
-    K, V = q.shape[-1], v.shape[-1]
-    (qf, kf, vf, Gf), (cstart, ccount) = _flat(C, q, k, v, G, tables)
-    w, u, _ = _delta_prepare(C, kf, vf, Gf, beta.reshape(Gf.shape))
-    NT = qf.shape[0] // C
-    fwd, _ = _delta_targets(p, K, V)
-    h = (jax.ShapeDtypeStruct((NT, *vf.shape[1:2], K, V), q.dtype),) if store_h else ()
-    out = _call(
-        fwd["fused_h" if store_h else "fused"], (_like(vf), _like(vf), *h, _like(h0, jnp.float32)),
-        qf, kf, w.astype(q.dtype), u.astype(q.dtype), Gf, h0, cstart, ccount, scale=np.float32(scale),
-    )
-    o = out[0].reshape(B, Lr, *vf.shape[1:])
-    return (o, *(x.reshape(B, NT // B, *x.shape[1:]) for x in out[2:-1]), out[-1])
-
-
-def _delta_kernel_bwd(p: Problem, scale: float, q, k, v, G, beta, h, *rest):
-    """Backward: the reverse state-gradient pass in the kernel, then JAX's VJP of the per-chunk
-    forward (`_delta_local`) and of the WY preparation, both parallel over chunks."""
-    C = p.chunk_size
-    B, Lr = q.shape[:2]
-    K, V = q.shape[-1], v.shape[-1]
-    tables, (do, dht) = rest[:-2], rest[-2:]
-    (qf, kf, vf, Gf), (cstart, ccount) = _flat(C, q, k, v, G, tables)
-    betaf = beta.reshape(Gf.shape)
-    (w, u, _), prep_vjp = jax.vjp(lambda k_, v_, G_, b_: _delta_prepare(C, k_, v_, G_, b_), kf, vf, Gf, betaf)
-    wd, ud = w.astype(q.dtype), u.astype(q.dtype)
-    dof = do.reshape(vf.shape)
-    hf = h.reshape(-1, *h.shape[2:])
-    _, bwd = _delta_targets(p, K, V)
-    dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht, jnp.float32)), qf, kf, wd, dof, Gf,
-                    dht.astype(jnp.float32), cstart, ccount, scale=np.float32(scale))
-    # the VJP in float32 (inputs as the kernels saw them, rounded to the input dtype)
-    f32 = lambda x: x.astype(jnp.float32)
-    _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
-    dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
-    dk2, dv, dG2, dbeta = prep_vjp((dw, du, jnp.zeros((qf.shape[0] // C, vf.shape[1], C, C), jnp.float32)))
-    rows = lambda x, dt: x.reshape(B, Lr, *x.shape[1:]).astype(dt)
-    return (rows(dq, q.dtype), rows(dk + dk2, k.dtype), rows(dv, v.dtype), rows(dG + dG2, jnp.float32),
-            rows(dbeta, jnp.float32), dh0)
-
-
-@functools.lru_cache(maxsize=None)
-def _delta_partitioned(p: Problem, scale: float, direction: str, varlen: bool):
-    """As `_partitioned`, for the delta rules (v, G and beta carry the value heads)."""
-    state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
-    ins = ("bthk", "bthk", "bthv", "bth", "bth", state) + tables
-    if direction == "fwd":
-        fn, outs = functools.partial(_delta_kernel_fwd, p, scale, False), ("bthv", state)
-    elif direction == "fwd_h":
-        fn, outs = functools.partial(_delta_kernel_fwd, p, scale, True), ("bthv", "bchkv", state)
-    else:
-        fn = functools.partial(_delta_kernel_bwd, p, scale)
-        ins = ("bthk", "bthk", "bthv", "bth", "bth", "bchkv") + tables + ("bthv", state)
-        outs = ("bthk", "bthk", "bthv", "bth", "bth", state)
-    return _partition.batch_head_partitioned(fn, ins, outs)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _delta(p, scale, q, k, v, G, beta, h0, *tables):
-    return _delta_partitioned(p, scale, "fwd", bool(tables))(q, k, v, G, beta, h0, *tables)
-
-
-def _delta_fwd_rule(p, scale, q, k, v, G, beta, h0, *tables):
-    o, h, ht = _delta_partitioned(p, scale, "fwd_h", bool(tables))(q, k, v, G, beta, h0, *tables)
-    return (o, ht), (q, k, v, G, beta, h, tables)
-
-
-def _delta_bwd_rule(p, scale, res, ct):
-    q, k, v, G, beta, h, tables = res
-    do, dht = ct
-    grads = _delta_partitioned(p, scale, "bwd", bool(tables))(q, k, v, G, beta, h, *tables, do.astype(q.dtype), dht)
-    return (*grads, *(None for _ in tables))
-
-
-_delta.defvjp(_delta_fwd_rule, _delta_bwd_rule)
-
-
-def run_delta(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: bool):
-    """The delta rules on raw inputs: l2 normalisation (JAX, differentiated by JAX), chunk layout,
-    in-chunk gate cumsum, then the kernels."""
-    T_ = q.shape[1]
-    C = p.chunk_size
-    if l2norm:
-        nrm = lambda x: (x * jax.lax.rsqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(x.dtype)
-        q, k = nrm(q), nrm(k)
-    layout = _layout.make_layout(T_, cu_seqlens, C)
-    g32 = jnp.zeros(beta.shape, jnp.float32) if g is None else g.astype(jnp.float32)
-    q, k, v, g32, b32 = (_layout.pack(x, layout) for x in (q, k, v, g32, beta.astype(jnp.float32)))
-    G = jnp.cumsum(g32.reshape(g32.shape[0], -1, C, g32.shape[2]), axis=2).reshape(g32.shape)
-    tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
-    o, ht = _delta(p, float(scale), q, k, v, G, b32, h0.astype(jnp.float32), *tables)
-    return _layout.unpack(o, layout, T_), ht
