@@ -1,6 +1,8 @@
-"""Pure-JAX stand-ins for the simple_gla TileLang programs, with the same inputs and outputs
-(see kernels/simple_gla/*.py): they let CPU tests drive the tilelang backend's Python glue
-(padding, cumulative gates, custom_vjp, partitioning). Written independently of fla_jax/xla.py."""
+"""Pure-JAX stand-ins for the TileLang programs (kernels/simple_gla/*.py, kernels/delta/*.py),
+with the same inputs and outputs, including NaN where a kernel writes nothing (chunks past the
+last sequence): they let CPU tests drive the tilelang backend's Python glue (chunk layout and
+tables, cumulative gates, WY preparation, custom_vjp, partitioning). Written independently of
+fla_jax/xla.py."""
 
 from __future__ import annotations
 
@@ -14,6 +16,17 @@ f32 = jnp.float32
 def _chunks(x):
     """Flat `[L, H, .]` -> `[1, NT, C, H, .]` (one row: the formulas below carry a row axis)."""
     return x.reshape(1, x.shape[0] // C, C, *x.shape[1:]).astype(f32)
+
+
+def _unwritten(x, cstart, ccount, per_token):
+    """NaN where the kernels write nothing: chunks past the last sequence (varlen padding), which
+    no sequence program walks. `x` is per chunk `[NT, ...]` or, with `per_token`, `[NT * C, ...]`."""
+    NT = x.shape[0] // C if per_token else x.shape[0]
+    c = jnp.arange(NT)
+    owned = jnp.any((c[None] >= cstart[:, None]) & (c[None] < (cstart + ccount)[:, None]), axis=0)
+    if per_token:
+        owned = jnp.repeat(owned, C)
+    return jnp.where(owned.reshape(-1, *(1,) * (x.ndim - 1)), x, jnp.nan).astype(x.dtype)
 
 
 def _ownership(NT, cstart, ccount):
@@ -65,8 +78,8 @@ def _fwd_o(q, k, v, G, h, *, scale):
 
 def fwd_fused_h(q, k, v, G, h0, cstart, ccount, *, scale):
     h, ht = _scan_states(k, v, G, h0, cstart, ccount)
-    h = h.astype(q.dtype)
-    return _fwd_o(q, k, v, G, h, scale=scale), h, ht
+    h = _unwritten(h.astype(q.dtype), cstart, ccount, False)
+    return _unwritten(_fwd_o(q, k, v, G, h, scale=scale), cstart, ccount, True), h, ht
 
 
 def fwd_fused(q, k, v, G, h0, cstart, ccount, *, scale):
@@ -76,7 +89,7 @@ def fwd_fused(q, k, v, G, h0, cstart, ccount, *, scale):
 
 def bwd_dh(q, do, G, dht, cstart, ccount, *, scale):
     dh, dh0 = _scan_states(q, do, G, dht, cstart, ccount, reverse=True, scale=scale)
-    return dh.astype(q.dtype), dh0
+    return _unwritten(dh.astype(q.dtype), cstart, ccount, False), dh0
 
 
 def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale):
@@ -129,7 +142,8 @@ def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
     last = jnp.maximum(cstart + ccount - 1, 0)
     ht = jnp.where((ccount > 0)[:, None, None, None], after[last], h0)
     flat = lambda x: x.reshape(q.shape[0], *x.shape[2:]).astype(dt)
-    return flat(o), flat(vn), h.astype(dt), ht
+    un = lambda x, tok: _unwritten(x, cstart, ccount, tok)
+    return un(flat(o), True), un(flat(vn), True), un(h.astype(dt), False), ht
 
 
 def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
@@ -162,7 +176,7 @@ def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
     _, (dh, before) = jax.lax.scan(step, jnp.zeros(dht.shape[1:], f32), jnp.arange(NT)[::-1])
     dh, before = dh[::-1], before[::-1]
     dh0 = jnp.where((ccount > 0)[:, None, None, None], before[jnp.maximum(cstart, 0)], dht)
-    return dh.astype(dt), dh0
+    return _unwritten(dh.astype(dt), cstart, ccount, False), dh0
 
 
 DELTA_PROGRAMS = {"_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh}
