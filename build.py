@@ -265,7 +265,7 @@ def handler_source(meta: dict) -> str:
     L += ['  return ffi::Error::Success();', '}', '', '}  // namespace', '']
     # `<target>_aliased` takes one more input per output, aliased to it (input_output_aliases):
     # tests pass NaN-filled buffers there, so an element the kernel does not write stays NaN.
-    extra = [f"ffi::AnyBuffer" for _ in outputs]
+    extra = ["ffi::AnyBuffer" for _ in outputs]
     names = [a.split()[-1] for a in sig[1:]]
     n_in = len(inputs)
     L.insert(L.index("}  // namespace"), "\n".join([

@@ -64,7 +64,6 @@ def _jax_time(fn, args, reps=10, inner=10):
 
 def _jax_fns(impl, op):
     """`(call(q, k, v, g, beta) -> o, names of differentiable gates)` for one JAX implementation."""
-    import jax.numpy as jnp
 
     lib, _, backend = impl.partition(":")
     if lib == "fla_jax":

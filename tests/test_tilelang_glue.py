@@ -76,7 +76,6 @@ def test_glue_partitions_along_batch_and_heads(op, emulated, monkeypatch):
     import re
 
     import jax
-    import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
