@@ -18,8 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def l2_normalise(x):
+    """`use_qk_l2norm_in_kernel`: `x / sqrt(sum(x^2) + 1e-6)` over the last axis."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -20,13 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from fla_jax import _backends, _checks, _sharding
-from fla_jax._problem import Problem
+from fla_jax._problem import Problem, l2_normalise
 
 Array = jax.Array
-
-
-def _l2norm(x):
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
 def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size, backend, l2norm=False):
@@ -64,7 +60,7 @@ def _compute(backend, problem, scale, l2norm, *, q, k, v, g, beta, initial_state
         return backend.run(problem, q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, l2norm=l2norm)
     q, k = q.astype(cdt), k.astype(cdt)
     if l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2_normalise(q), l2_normalise(k)
     q = q * jnp.asarray(scale, cdt)
     if HV != H:
         q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)

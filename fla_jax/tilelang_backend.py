@@ -1,12 +1,12 @@
 """The `tilelang` backend: TileLang CUDA kernels, built ahead of time by build.py into
 `fla_jax._ext`, called through XLA FFI custom calls.
 
-Built so far: simple GLA (`kernels/simple_gla/`): forward (one pass, states kept on chip) and
-backward (states recomputed, reverse state-gradient pass, one fused dq/dk/dv/dg consumer), bf16/fp16
-inputs, K = V in {64, 128, 256}, dense batches and `cu_seqlens`. The delta rules
-(`kernels/delta/`: the sequential passes as kernels, the chunk-parallel parts in XLA) are built but
-switched off (`DELTA_ENABLED`) until they pass on a GPU. Everything else answers `unsupported(...)` with the
-reason, and "auto" falls back to `xla`.
+Built so far: simple GLA (`kernels/simple_gla/`): forward (one pass, states kept on chip; under a
+gradient it also stores the state before each chunk) and backward (reverse state-gradient pass, one
+fused dq/dk/dv/dg consumer), bf16/fp16 inputs, K = V in {64, 128, 256}, dense batches and
+`cu_seqlens`. The delta rules (`kernels/delta/`: the sequential passes as kernels, the
+chunk-parallel parts in XLA) are built but switched off (`DELTA_ENABLED`) until they pass on a GPU.
+Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fla_jax import _layout, _partition
-from fla_jax._problem import Problem
+from fla_jax import _layout, _partition, xla
+from fla_jax._problem import Problem, l2_normalise
 
 try:
     from fla_jax import _ext
@@ -110,8 +110,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     T = q.shape[1]
     C = p.chunk_size
     if l2norm:
-        norm = lambda x: (x * jax.lax.rsqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(x.dtype)
-        q, k = norm(q), norm(k)
+        q, k = (l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
     layout = _layout.make_layout(T, cu_seqlens, C)
     g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)
     beta = beta.astype(jnp.float32) if p.delta else None
@@ -163,7 +162,7 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     dt = qf.dtype
     NT = qf.shape[0] // C
     if p.delta:  # WY preparation in XLA; the kernel reads w and u instead of v
-        w, u, _ = _delta_prepare(C, kf, vf, Gf, flat[4])
+        w, u = _delta_prepare(C, kf, vf, Gf, flat[4])
         ins, extra = (qf, kf, w.astype(dt), u.astype(dt)), (_like(vf),)  # extra result: v_new
     else:
         ins, extra = (qf, kf, vf), ()
@@ -197,13 +196,13 @@ def _backward(p: Problem, scale: float, *arrays):
         return (*(rows(g, g.dtype) for g in grads), dh0)
     # delta rules: the reverse state-gradient pass in the kernel, then JAX's VJP of one chunk's
     # forward given its state (`_delta_local`) and of the WY preparation, parallel over chunks
-    (w, u, _), prep_vjp = jax.vjp(lambda *a: _delta_prepare(C, *a), kf, vf, Gf, flat[4])
+    (w, u), prep_vjp = jax.vjp(lambda *a: _delta_prepare(C, *a), kf, vf, Gf, flat[4])
     wd, ud = w.astype(qf.dtype), u.astype(qf.dtype)
     dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
     dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
-    dk2, dv, dG2, dbeta = prep_vjp((dw, du, jnp.zeros((qf.shape[0] // C, vf.shape[1], C, C), jnp.float32)))
+    dk2, dv, dG2, dbeta = prep_vjp((dw, du))
     return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
 
@@ -255,25 +254,15 @@ _op.defvjp(_op_fwd, _op_bwd)
 
 
 def _delta_prepare(C: int, k, v, G, beta):
-    """WY preparation on the flat chunk layout, float32 throughout (no TF32): per chunk
-    `T = (I + tril(Diag(beta)(K K^T * Gamma), -1))^{-1}`, `w = T (k beta exp(G))`, `u = T (v beta)`.
-    k `[L, H, K]` (expanded to the HV value heads here), v `[L, HV, V]`, G and beta `[L, HV]`."""
-    L, H, K = k.shape
+    """WY preparation on the flat chunk layout, float32 throughout (no TF32; `fla_jax.xla`'s WY
+    math): `w, u` `[L, HV, .]`. k `[L, H, K]` (expanded to the HV value heads here), v `[L, HV, V]`,
+    G and beta `[L, HV]`."""
     HV = v.shape[1]
-    NT = L // C
-    hi = jax.lax.Precision.HIGHEST
-    kc = jnp.repeat(k.astype(jnp.float32), HV // H, axis=1).reshape(NT, C, HV, K)
-    vc = v.astype(jnp.float32).reshape(NT, C, HV, -1)
-    Gc, bc = G.reshape(NT, C, HV), beta.astype(jnp.float32).reshape(NT, C, HV)
-    kk = jnp.einsum("nihk,njhk->nhij", kc, kc, precision=hi)
-    i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
-    decay = jnp.exp(jnp.where(i > j, jnp.moveaxis(Gc, 1, 2)[..., :, None] - jnp.moveaxis(Gc, 1, 2)[..., None, :], -jnp.inf))
-    A = jnp.moveaxis(bc, 1, 2)[..., :, None] * kk * decay  # [NT, HV, C, C], zero on and above the diagonal
-    eye = jnp.eye(C, dtype=jnp.float32)
-    Tm = jax.lax.linalg.triangular_solve(eye + A, jnp.broadcast_to(eye, A.shape), left_side=True, lower=True, unit_diagonal=True)
-    w = jnp.einsum("nhij,njhk->nihk", Tm, kc * (bc * jnp.exp(Gc))[..., None], precision=hi)
-    u = jnp.einsum("nhij,njhv->nihv", Tm, vc * bc[..., None], precision=hi)
-    return w.reshape(L, HV, K), u.reshape(L, HV, -1), Tm
+    row = lambda x: xla._chunks(x.astype(jnp.float32)[None], C)  # [1, HV, NT, C, .]
+    kc, vc, Gc, bc = row(jnp.repeat(k, HV // k.shape[1], axis=1)), row(v), row(G), row(beta)
+    Tm = xla.delta_solve(xla.wy_matrix(kc, Gc, bc))
+    w, u = xla.wy_apply(Tm, kc, vc, Gc, bc, precision=jax.lax.Precision.HIGHEST)
+    return xla._unchunk(w)[0], xla._unchunk(u)[0]
 
 
 def _delta_local(C: int, scale: float, q, k, w, u, G, h):

@@ -201,12 +201,24 @@ def _delta_A(p: Problem, k, g, beta):
     """`tril(Diag(beta) (K K^T * Gamma), -1)` per chunk, `[B, H, NT, C, C]`."""
     C = p.chunk_size
     k, beta = _chunks(k, C), _chunks(beta, C)
-    G = _gates(g, k.shape[:4], C, k.dtype)
-    kk = jnp.einsum("bhnik,bhnjk->bhnij", k, k, precision=lax.Precision.HIGHEST)
-    return beta[..., :, None] * kk * _masked_exp(G[..., :, None] - G[..., None, :], _tril(C, -1))
+    return wy_matrix(k, _gates(g, k.shape[:4], C, k.dtype), beta)
 
 
-def _delta_solve(A):
+def wy_matrix(k, G, beta):
+    """The WY chunk matrix `tril(Diag(beta) (K K^T * Gamma), -1)` from chunked `k [..., C, K]`,
+    in-chunk cumulative gates `G [..., C]` and `beta [..., C]`."""
+    kk = jnp.einsum("...ik,...jk->...ij", k, k, precision=lax.Precision.HIGHEST)
+    return beta[..., :, None] * kk * _masked_exp(G[..., :, None] - G[..., None, :], _tril(k.shape[-2], -1))
+
+
+def wy_apply(Tm, k, v, G, beta, precision=None):
+    """`w = T (k beta exp(G))`, `u = T (v beta)` per chunk, `T = (I + A)^{-1}` (`[..., C, C]`)."""
+    w = jnp.einsum("...ij,...jk->...ik", Tm, k * (beta * jnp.exp(G))[..., None], precision=precision)
+    u = jnp.einsum("...ij,...jv->...iv", Tm, v * beta[..., None], precision=precision)
+    return w, u
+
+
+def delta_solve(A):
     eye = jnp.eye(A.shape[-1], dtype=A.dtype)
     return lax.linalg.triangular_solve(eye + A, jnp.broadcast_to(eye, A.shape), left_side=True, lower=True, unit_diagonal=True)
 
@@ -217,8 +229,7 @@ def _delta_forward(p: Problem, q, k, v, g, beta, table, seg, Tm):
     q, k, v, beta = (_chunks(x, C) for x in (q, k, v, beta))
     G = _gates(g, q.shape[:4], C, q.dtype)
     gamma = jnp.exp(G)
-    w = jnp.einsum("bhnij,bhnjk->bhnik", Tm, k * (beta * gamma)[..., None])
-    u = jnp.einsum("bhnij,bhnjv->bhniv", Tm, v * beta[..., None])
+    w, u = wy_apply(Tm, k, v, G, beta)
     kd = k * jnp.exp(G[..., -1:] - G)[..., None]
     glast = gamma[..., -1]
 
@@ -241,12 +252,12 @@ def _delta_forward(p: Problem, q, k, v, g, beta, table, seg, Tm):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _delta_core(p, q, k, v, g, beta, table, seg):
-    Tm = _delta_solve(_delta_A(p, k, g, beta))
+    Tm = delta_solve(_delta_A(p, k, g, beta))
     return _delta_forward(p, q, k, v, g, beta, table, seg, Tm)
 
 
 def _delta_fwd(p, q, k, v, g, beta, table, seg):
-    Tm = _delta_solve(_delta_A(p, k, g, beta))
+    Tm = delta_solve(_delta_A(p, k, g, beta))
     return _delta_forward(p, q, k, v, g, beta, table, seg, Tm), (q, k, v, g, beta, table, seg, Tm)
 
 
