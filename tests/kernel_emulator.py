@@ -29,6 +29,11 @@ def _unwritten(x, cstart, ccount, per_token):
     return jnp.where(owned.reshape(-1, *(1,) * (x.ndim - 1)), x, jnp.nan).astype(x.dtype)
 
 
+def _sequence_ends(per_chunk, chunk, ccount, fallback):
+    """Each sequence's value at one of its chunks (`chunk [N]`), or `fallback` for empty ones."""
+    return jnp.where((ccount > 0)[:, None, None, None], per_chunk[jnp.maximum(chunk, 0)], fallback)
+
+
 def _ownership(NT, cstart, ccount):
     """Per chunk: its sequence, and whether it is that sequence's first / last chunk."""
     c = jnp.arange(NT)
@@ -61,8 +66,7 @@ def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0):
     _, (seen, after) = jax.lax.scan(step, jnp.zeros(s0.shape[1:], f32), order)
     if reverse:
         seen, after = seen[::-1], after[::-1]
-    leave = jnp.maximum(cstart if reverse else cstart + ccount - 1, 0)
-    final = jnp.where((ccount > 0)[:, None, None, None], after[leave], s0)
+    final = _sequence_ends(after, cstart if reverse else cstart + ccount - 1, ccount, s0)
     return seen, final
 
 
@@ -139,8 +143,7 @@ def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
         return S, (o, vn, Sd, S)
 
     _, (o, vn, h, after) = jax.lax.scan(step, jnp.zeros(h0.shape[1:], f32), jnp.arange(NT))
-    last = jnp.maximum(cstart + ccount - 1, 0)
-    ht = jnp.where((ccount > 0)[:, None, None, None], after[last], h0)
+    ht = _sequence_ends(after, cstart + ccount - 1, ccount, h0)
     flat = lambda x: x.reshape(q.shape[0], *x.shape[2:]).astype(dt)
     un = lambda x, tok: _unwritten(x, cstart, ccount, tok)
     return un(flat(o), True), un(flat(vn), True), un(h.astype(dt), False), ht
@@ -175,7 +178,7 @@ def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
 
     _, (dh, before) = jax.lax.scan(step, jnp.zeros(dht.shape[1:], f32), jnp.arange(NT)[::-1])
     dh, before = dh[::-1], before[::-1]
-    dh0 = jnp.where((ccount > 0)[:, None, None, None], before[jnp.maximum(cstart, 0)], dht)
+    dh0 = _sequence_ends(before, cstart, ccount, dht)
     return _unwritten(dh.astype(dt), cstart, ccount, False), dh0
 
 
