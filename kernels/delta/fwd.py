@@ -21,6 +21,8 @@ The WY preparation is done before this kernel, per chunk and in parallel: with
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from kernels.common import chunk_output_and_update
+
 
 def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
                     stages: int | None = None, store_h: bool = False):
@@ -28,6 +30,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     acc = "float32"
     threads = threads or (256 if K > 128 else 128)
     stages = stages or (2 if K <= 128 else 1)  # two stages at K = 256 would exceed 227 KB of shared memory
+    step = chunk_output_and_update(BT=BT, K=K, BV=BV, dtype=dtype)
 
     @T.macro
     def body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h):
@@ -67,23 +70,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
                     acc_v[a, b] = T.cast(u_s[a, b], acc) - acc_v[a, b]
                 T.copy(acc_v, vn_s)
                 T.copy(vn_s, vnew[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
-                T.clear(acc_o)
-                T.clear(acc_s)
-                T.gemm(q_s, h_s, acc_o)
-                T.gemm(q_s, k_s, acc_s, transpose_B=True)
-                for a, b in T.Parallel(BT, BV):
-                    acc_o[a, b] = acc_o[a, b] * T.exp(g_s[a]) * scale
-                for a, b in T.Parallel(BT, BT):
-                    acc_s[a, b] = T.if_then_else(a >= b, acc_s[a, b] * T.exp(g_s[a] - g_s[b]) * scale, 0.0)
-                T.copy(acc_s, s_s)
-                T.gemm(s_s, vn_s, acc_o)
-                T.copy(acc_o, o_s)
-                T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
-                for a, b in T.Parallel(BT, K):
-                    kd_s[a, b] = T.cast(T.cast(k_s[a, b], acc) * T.exp(g_s[BT - 1] - g_s[a]), dtype)
-                for a, b in T.Parallel(K, BV):
-                    b_h[a, b] = b_h[a, b] * T.exp(g_s[BT - 1])
-                T.gemm(kd_s, vn_s, b_h, transpose_A=True)
+                step(q_s, k_s, vn_s, h_s, g_s, b_h, kd_s, s_s, o_s, acc_o, acc_s, o, t0, ihv, iv, scale)
             T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
     if store_h:

@@ -18,6 +18,8 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from kernels.common import chunk_output_and_update
+
 
 def _threads(K: int) -> int:
     return 256 if K > 128 else 128
@@ -30,6 +32,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
     threads = threads or _threads(K)
+    step = chunk_output_and_update(BT=BT, K=K, BV=BV, dtype=dtype)
 
     @T.macro
     def body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h):
@@ -58,23 +61,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads
                 T.copy(b_h, h_s)
                 if store_h:
                     T.copy(h_s, h[c0 + i, ih, 0:K, iv * BV : (iv + 1) * BV])
-                T.clear(acc_o)
-                T.clear(acc_s)
-                T.gemm(q_s, h_s, acc_o)
-                T.gemm(q_s, k_s, acc_s, transpose_B=True)
-                for a, b in T.Parallel(BT, BV):
-                    acc_o[a, b] = acc_o[a, b] * T.exp(g_s[a]) * scale
-                for a, b in T.Parallel(BT, BT):
-                    acc_s[a, b] = T.if_then_else(a >= b, acc_s[a, b] * T.exp(g_s[a] - g_s[b]) * scale, 0.0)
-                T.copy(acc_s, s_s)
-                T.gemm(s_s, v_s, acc_o)
-                T.copy(acc_o, o_s)
-                T.copy(o_s, o[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV])
-                for a, b in T.Parallel(BT, K):
-                    kd_s[a, b] = T.cast(T.cast(k_s[a, b], acc) * T.exp(g_s[BT - 1] - g_s[a]), dtype)
-                for a, b in T.Parallel(K, BV):
-                    b_h[a, b] = b_h[a, b] * T.exp(g_s[BT - 1])
-                T.gemm(kd_s, v_s, b_h, transpose_A=True)
+                step(q_s, k_s, v_s, h_s, g_s, b_h, kd_s, s_s, o_s, acc_o, acc_s, o, t0, ih, iv, scale)
             T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
 
     if store_h:
