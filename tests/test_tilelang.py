@@ -40,16 +40,25 @@ def test_export_for_cuda_has_the_custom_calls(K, dtype):
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     fwd_names = [f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_{n}" for n in ("fused", "fused_h")]
     bwd_names = [f"fla_simple_gla_bwd_{short}_k{K}_v{K}_c64_{n}" for n in ("dh", "dqkvg")]
-    checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in fwd_names + bwd_names]
-    fwd = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(x, x, x, g, h0)
-    assert re.findall(r"custom_call @(\w+)", fwd.mlir_module()) == fwd_names[:1]
+    fwd, both = _cuda_custom_calls(f, (x, x, x, g, h0), fwd_names + bwd_names)
+    assert fwd == fwd_names[:1]
+    assert sorted(both) == sorted(fwd_names[1:] + bwd_names)
+
+
+def _cuda_custom_calls(f, args, allowed):
+    """The custom calls (in order) of `f` and of `value_and_grad` of a loss of its outputs
+    (`f -> (o, ht)`), exported for CUDA; `allowed` names the kernels export may reference."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in allowed]
+
     def loss(*a):
         o, ht = f(*a)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
-    both = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"], disabled_checks=checks)
-    calls = re.findall(r"custom_call @(\w+)", both(x, x, x, g, h0).mlir_module())
-    assert sorted(calls) == sorted(fwd_names[1:] + bwd_names)
+    grad = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
+    return tuple(
+        re.findall(r"custom_call @(\w+)", jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module())
+        for fn in (f, grad)
+    )
 
 
 GPU_CASES = [
@@ -282,13 +291,7 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, monkeypatch):
                                               backend="tilelang")
 
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in (("fwd", "fused"), ("fwd", "fused_h"), ("bwd", "dh"))]
-    checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]
-    fwd = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(x, x, v, gb, gb)
-    assert re.findall(r"custom_call @(fla_\w+)", fwd.mlir_module()) == names[:1]
-
-    def loss(*a):
-        o, ht = f(*a)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
-
-    both = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"], disabled_checks=checks)
-    assert sorted(re.findall(r"custom_call @(fla_\w+)", both(x, x, v, gb, gb).mlir_module())) == sorted(names[1:])
+    fwd, both = _cuda_custom_calls(f, (x, x, v, gb, gb), names)
+    kernels = lambda calls: [c for c in calls if c.startswith("fla_")]
+    assert kernels(fwd) == names[:1]
+    assert sorted(kernels(both)) == sorted(names[1:])
