@@ -58,7 +58,7 @@ def batch_head_partitioned(fn: Callable, ins: tuple[str, ...], outs: tuple[str, 
         return partitioned(*args)
 
     @wrapped.def_vmap
-    def _fold_into_batch(axis_size, in_batched, *args):
+    def _batch(axis_size, in_batched, *args):  # fold into b, or map slice by slice
         if not foldable:
             one = lambda xs: wrapped(*(x if b else a for x, a, b in zip(xs, args, in_batched)))
             mapped = tuple(x if b else jnp.zeros((axis_size,), jnp.int8) for x, b in zip(args, in_batched))
