@@ -1,7 +1,7 @@
-"""Times each TileLang program of the simple GLA pipeline on its own (jit of one custom call,
+"""Times each TileLang program of the simple GLA and delta-rule pipelines on its own (jit of one custom call,
 median of repeated back-to-back calls), so the op-level numbers of bench.py can be split by kernel.
 
-    python benchmarks/bench_kernels.py --shapes 4x4096x16x128,8x2048x16x64
+    python benchmarks/bench_kernels.py --shapes 4x4096x16x128,8x2048x16x64 --ops simple_gla,delta
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from fla_jax import tilelang_backend as tb
 from fla_jax._problem import Problem
 
 
-def programs(B, T, H, D, dtype="bfloat16"):
-    """(name, jitted call, args) for every program of the simple GLA forward and backward variants
-    (experimental configs included), on the flat chunk layout the backend hands them (B sequences
-    of T tokens)."""
+def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
+    """(name, jitted call, args) for every program of the simple GLA (`op="simple_gla"`) or delta
+    rule (`op="delta"`) forward and backward variants (experimental configs included), on the flat
+    chunk layout the backend hands them (B sequences of T tokens); for the delta rule also the two
+    XLA parts of its backward (the per-chunk VJP and the WY VJP)."""
     NT = B * T // 64
     rng = np.random.default_rng(0)
     x = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
@@ -33,16 +34,39 @@ def programs(B, T, H, D, dtype="bfloat16"):
     final = jax.ShapeDtypeStruct(h0.shape, jnp.float32)
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     s = np.float32(D**-0.5)
-    fused_h = tb._targets(Problem(op="simple_gla", delta=False, chunk_size=64, dtype=dtype), "fwd", D, D)["fused_h"]
-    h = jax.jit(lambda *a: tb._call(fused_h, (like(v), state, final), *a, scale=s))(q, k, v, G, h0, cstart, ccount)[1]
-    calls = {  # program kind: (results, args, attrs)
-        "fused_h": ((like(v), state, final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
-        "fused": ((like(v), final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
-        "dh": ((state, final), (q, do, G, h0, cstart, ccount), {"scale": s}),
-        "dqkvg": ((like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, h), {"scale": s}),
-    }
+    p = Problem(op="simple_gla" if op == "simple_gla" else "delta_rule", delta=op == "delta", chunk_size=64, dtype=dtype)
+    run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: tb._call(tb._targets(p, direction, D, D)[name], results, *b, **kw))(*a)
+    if op == "simple_gla":
+        h = run("fwd", "fused_h", (like(v), state, final), q, k, v, G, h0, cstart, ccount, scale=s)[1]
+        calls = {  # program kind: (results, args, attrs)
+            "fused_h": ((like(v), state, final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
+            "fused": ((like(v), final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
+            "dh": ((state, final), (q, do, G, h0, cstart, ccount), {"scale": s}),
+            "dqkvg": ((like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, h), {"scale": s}),
+        }
+    else:
+        beta = jnp.asarray(rng.uniform(size=(B * T, H)), jnp.float32)
+        k = k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True).astype(dtype)
+        tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
+        w, u, Tm = run("fwd", "wy_t", (like(k), like(v), tm), k, v, G, beta)
+        h = run("fwd", "fused_h", (like(v), like(v), state, final), q, k, w, u, G, h0, cstart, ccount, scale=s)[2]
+        calls = {
+            "wy_t": ((like(k), like(v), tm), (k, v, G, beta), {}),
+            "wy": ((like(k), like(v)), (k, v, G, beta), {}),
+            "fused_h": ((like(v), like(v), state, final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
+            "fused": ((like(v), like(v), final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
+            "dh": ((state, final), (q, k, w, do, G, h0, cstart, ccount), {"scale": s}),
+        }
+        f32 = lambda a: a.astype(jnp.float32)
+        local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])
+        dw, du = (jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (w, u))
+        presets = jax.lax.DotAlgorithmPreset
+        for prec in (tb.VJP_PRECISION, jax.lax.Precision.HIGHEST, presets.BF16_BF16_F32_X6, presets.BF16_BF16_F32):
+            name = getattr(prec, "name", str(prec))
+            yield f"xla:local_vjp:{name}", _with_precision(local, prec), (f32(q), f32(k), f32(w), f32(u), G, h, f32(do), f32(h))
+            yield f"xla:wy_vjp:{name}", _with_precision(lambda *a: tb._wy_vjp(64, *a), prec), (Tm, k, v, G, beta, dw, du)
     for direction in ("fwd", "bwd"):
-        variant = tb._find_variant("simple_gla", direction, dtype, D, D)
+        variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.programs:
             kind = next(k for k in calls if prog.name.removeprefix("x_").startswith(k))
             results, args, attrs = calls[kind]
@@ -50,20 +74,37 @@ def programs(B, T, H, D, dtype="bfloat16"):
             yield f"{direction}:{prog.name}", fn, args
 
 
+def _with_precision(fn, precision):
+    """`fn` jitted with `tilelang_backend.VJP_PRECISION` set to `precision` while it traces."""
+
+    def traced(*a):
+        saved, tb.VJP_PRECISION = tb.VJP_PRECISION, precision
+        try:
+            return fn(*a)
+        finally:
+            tb.VJP_PRECISION = saved
+
+    return jax.jit(traced)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="4x4096x16x128,2x8192x16x128,4x4096x8x256,8x2048x16x64")
+    ap.add_argument("--ops", default="simple_gla", help="comma-separated: simple_gla, delta")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = []
     for shape in args.shapes.split(","):
         B, T, H, D = (int(n) for n in shape.split("x"))
-        for name, fn, a in programs(B, T, H, D):
-            try:
-                rows.append({"shape": shape, "program": name, "ms": round(_jax_time(fn, a), 4)})
-            except Exception as e:  # noqa: BLE001  (a refused launch is a row, not the end of the run)
-                rows.append({"shape": shape, "program": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
-            print(json.dumps(rows[-1]), flush=True)
+        for op in args.ops.split(","):
+            for name, fn, a in programs(B, T, H, D, op=op):
+                row = {"shape": shape, "op": op, "program": name}
+                try:
+                    row["ms"] = round(_jax_time(fn, a), 4)
+                except Exception as e:  # noqa: BLE001  (a refused launch is a row, not the end of the run)
+                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

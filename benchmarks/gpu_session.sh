@@ -4,7 +4,7 @@
 # carried between calls. Run from the repository root there, carrying .whl, fla_jax/_ext.abi3.so
 # and .tcache:
 #
-#   bash benchmarks/gpu_session.sh [budget_s=540] [ops=simple_gla] [shapes=issue] [pytest -k expr]
+#   bash benchmarks/gpu_session.sh [budget_s=540] [ops=simple_gla] [shapes=issue] [pytest -k expr] [kernel ops=simple_gla]
 #
 # Writes gpu_tests.log, kernels.json, bench.json and the Triton cache (tc.part.*, 15 MB pieces:
 # copy them into .tcache/ for the next call) under $OUT.
@@ -13,6 +13,7 @@ budget=${1:-540}
 ops=${2:-simple_gla}
 shapes=${3:-issue}
 select=${4:-}
+kops=${5:-simple_gla}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -22,7 +23,8 @@ left() { echo $((budget - SECONDS - 25)); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -s ${select:+-k "$select"} 2>&1 |
   tee "$out/gpu_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|\{'o'"
-(cd benchmarks && timeout "$(left)" python3 bench_kernels.py --json "$out/kernels.json" | tail -40)
+[ "$shapes" = issue ] && kshapes=() || kshapes=(--shapes "$shapes")
+(cd benchmarks && timeout "$(left)" python3 bench_kernels.py --ops "$kops" "${kshapes[@]}" --json "$out/kernels.json" | tail -40)
 timeout "$(left)" python3 benchmarks/bench.py --ops "$ops" --shapes "$shapes" \
   --impls fla_jax:tilelang,jla:mosaic_gpu,fla --lift-fla-check --delta-kernels --json "$out/bench.json" 2>&1 | grep -E "^\{|^\|"
 tar czf - -C "$HOME" .triton | split -b 15m - "$out/tc.part."

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fla_jax import _layout, _partition, xla
+from fla_jax import _layout, _partition
 from fla_jax._problem import Problem, l2_normalise
 
 try:
@@ -38,7 +38,11 @@ except ImportError:  # an installed wheel without the kernels package: nothing i
 
 # Work in progress: the delta-rule kernels (kernels/delta/) lower and compile but have not run on a
 # GPU; until they pass tests/test_tilelang.py there, the dispatch refuses the delta rules.
-DELTA_ENABLED = False
+DELTA_ENABLED = True
+
+# Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
+# bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
+VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 # Test hook: when True, every kernel writes into NaN-filled buffers (see `_call`), so an output
 # element that a kernel leaves unwritten shows up as NaN.
@@ -128,6 +132,11 @@ def _token_layouts(p: Problem) -> tuple[str, ...]:
     return ("bthk", "bthk", "bthv", "bth") + (("bth",) if p.delta else ())
 
 
+def _wy_layouts(p: Problem) -> tuple[str, ...]:
+    """The delta rules' stored WY preparation: w, u (per token), T (per chunk)."""
+    return ("bthk", "bthv", "bchkv") if p.delta else ()
+
+
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     """{program name: FFI target} of one variant."""
     variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, V)
@@ -145,13 +154,16 @@ def _flat(C, q, *rest, tables):
     return tuple(flat(x) for x in (q, *rest)), tables
 
 
-def _like(x, dtype=None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
+def _like(x, dtype=None, heads=None) -> jax.ShapeDtypeStruct:
+    """The shape of `x` (with `heads` in axis 1 if given), in `dtype` or its own."""
+    shape = x.shape if heads is None else (x.shape[0], heads, *x.shape[2:])
+    return jax.ShapeDtypeStruct(shape, dtype or x.dtype)
 
 
 def _forward(p: Problem, scale: float, store_h: bool, *arrays):
-    """`(o, ht)`, or `(o, h, ht)` with `store_h` (h: `[B, NT, HV, K, V]`, the state before each
-    chunk, for the backward). `arrays`: the token arrays, h0, the varlen tables."""
+    """`(o, ht)`, or with `store_h` `(o, h, *wy, ht)`: h `[B, NT, HV, K, V]`, the state before each
+    chunk, and for the delta rules wy = the WY preparation's `w, u` (rows like v) and `T`
+    (`[B, NT, HV, C, C]`), for the backward. `arrays`: the token arrays, h0, the varlen tables."""
     n = len(_token_layouts(p))
     tokens, h0, tables = arrays[:n], arrays[n], arrays[n + 1 :]
     C = p.chunk_size
@@ -161,9 +173,13 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     HV, V = vf.shape[1:]
     dt = qf.dtype
     NT = qf.shape[0] // C
-    if p.delta:  # WY preparation in XLA; the kernel reads w and u instead of v
-        w, u = _delta_prepare(C, kf, vf, Gf, flat[4])
-        ins, extra = (qf, kf, w.astype(dt), u.astype(dt)), (_like(vf),)  # extra result: v_new
+    wy = ()
+    if p.delta:  # WY preparation kernel; the state pass reads w and u instead of v
+        tm = (jax.ShapeDtypeStruct((NT, HV, C, C), jnp.float32),) if store_h else ()
+        wy = _call(_targets(p, "fwd", K, V)["wy_t" if store_h else "wy"], (_like(kf, dt, HV), _like(vf), *tm),
+                   kf, vf, Gf, flat[4])
+        ins, extra = (qf, kf, *wy[:2]), (_like(vf),)  # extra result: v_new
+        wy = (wy[0].reshape(B, Lr, HV, K), wy[1].reshape(B, Lr, HV, V), wy[2].reshape(B, NT // B, HV, C, C)) if store_h else ()
     else:
         ins, extra = (qf, kf, vf), ()
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
@@ -172,13 +188,15 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         (_like(vf), *extra, *h, _like(h0, jnp.float32)), *ins, Gf, h0, cstart, ccount, scale=np.float32(scale),
     )
     h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
-    return (out[0].reshape(B, Lr, HV, V), *h, out[-1])
+    return (out[0].reshape(B, Lr, HV, V), *h, *wy, out[-1])
 
 
 def _backward(p: Problem, scale: float, *arrays):
-    """Gradients of the token arrays and of h0, from (token arrays, h, tables, do, dht)."""
+    """Gradients of the token arrays and of h0, from (token arrays, h, *wy, tables, do, dht);
+    wy as `_forward` stores it (delta rules only)."""
     n = len(_token_layouts(p))
-    tokens, h, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : -2], arrays[-2:]
+    m = n + 1 + len(_wy_layouts(p))
+    tokens, h, wy, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-2], arrays[-2:]
     C = p.chunk_size
     B, Lr, _, K = tokens[0].shape
     flat, (cstart, ccount) = _flat(C, *tokens, tables=tables)
@@ -194,15 +212,14 @@ def _backward(p: Problem, scale: float, *arrays):
         dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, dof, Gf, dht, cstart, ccount, scale=s)
         grads = _call(bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, hf, dof, dh, scale=s)
         return (*(rows(g, g.dtype) for g in grads), dh0)
-    # delta rules: the reverse state-gradient pass in the kernel, then JAX's VJP of one chunk's
-    # forward given its state (`_delta_local`) and of the WY preparation, parallel over chunks
-    (w, u), prep_vjp = jax.vjp(lambda *a: _delta_prepare(C, *a), kf, vf, Gf, flat[4])
-    wd, ud = w.astype(qf.dtype), u.astype(qf.dtype)
+    # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
+    # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
+    wd, ud, Tm = (x.reshape(-1, *x.shape[2:]) for x in wy)
     dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
     dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
-    dk2, dv, dG2, dbeta = prep_vjp((dw, du))
+    dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, du)
     return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
 
@@ -216,11 +233,11 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool):
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
     tokens = _token_layouts(p)
     if direction == "bwd":
-        ins, outs = tokens + ("bchkv",) + tables + ("bthv", state), tokens + (state,)
+        ins, outs = tokens + ("bchkv",) + _wy_layouts(p) + tables + ("bthv", state), tokens + (state,)
         fn = functools.partial(_backward, p, scale)
     else:
         ins = tokens + (state,) + tables
-        outs = ("bthv", "bchkv", state) if direction == "fwd_h" else ("bthv", state)
+        outs = ("bthv", "bchkv") + _wy_layouts(p) + (state,) if direction == "fwd_h" else ("bthv", state)
         fn = functools.partial(_forward, p, scale, direction == "fwd_h")
     return _partition.batch_head_partitioned(fn, ins, outs)
 
@@ -234,14 +251,14 @@ def _op(p, scale, *arrays):
 
 def _op_fwd(p, scale, *arrays):
     n = len(_token_layouts(p))
-    o, h, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + 1)(*arrays)
-    return (o, ht), (arrays[:n], h, arrays[n + 1 :])
+    o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + 1)(*arrays)
+    return (o, ht), (arrays[:n], h, tuple(wy), arrays[n + 1 :])
 
 
 def _op_bwd(p, scale, res, ct):
-    tokens, h, tables = res
+    tokens, h, wy, tables = res
     do, dht = ct
-    grads = _partitioned(p, scale, "bwd", bool(tables))(*tokens, h, *tables, do.astype(tokens[0].dtype), dht)
+    grads = _partitioned(p, scale, "bwd", bool(tables))(*tokens, h, *wy, *tables, do.astype(tokens[0].dtype), dht)
     return (*grads, *(None for _ in tables))
 
 
@@ -249,20 +266,42 @@ _op.defvjp(_op_fwd, _op_bwd)
 
 
 # ----------------------------------------------------------------------------- delta rules
-# chunk_delta_rule / chunk_gated_delta_rule: the WY preparation and the per-chunk VJPs in XLA, the
-# sequential passes in `kernels/delta/`. Switched off by DELTA_ENABLED until they pass on a GPU.
+# chunk_delta_rule / chunk_gated_delta_rule: the WY preparation and the sequential passes are kernels
+# (`kernels/delta/`), the chunk-parallel VJPs are XLA.
 
 
-def _delta_prepare(C: int, k, v, G, beta):
-    """WY preparation on the flat chunk layout, float32 throughout (no TF32; `fla_jax.xla`'s WY
-    math): `w, u` `[L, HV, .]`. k `[L, H, K]` (expanded to the HV value heads here), v `[L, HV, V]`,
-    G and beta `[L, HV]`."""
+def _wy_vjp(C: int, Tm, k, v, G, beta, dw, du):
+    """VJP of the WY preparation (`kernels/delta/wy.py`) given its `T = (I + A)^{-1}`
+    `[NT, HV, C, C]` (float32): `dk, dv, dG, dbeta` from `dw, du`. `w = T (k s)`, `u = T (v beta)`
+    with `s = beta exp(G)`, `A = tril(Diag(beta) (K K^T * exp(G_i - G_j)), -1)`; the solve's
+    gradient is `dA = -T^T dT T^T` (strictly lower part). Flat layout as `_delta_local`."""
+    L, H, K = k.shape
     HV = v.shape[1]
-    row = lambda x: xla._chunks(x.astype(jnp.float32)[None], C)  # [1, HV, NT, C, .]
-    kc, vc, Gc, bc = row(jnp.repeat(k, HV // k.shape[1], axis=1)), row(v), row(G), row(beta)
-    Tm = xla.delta_solve(xla.wy_matrix(kc, Gc, bc))
-    w, u = xla.wy_apply(Tm, kc, vc, Gc, bc, precision=jax.lax.Precision.HIGHEST)
-    return xla._unchunk(w)[0], xla._unchunk(u)[0]
+    NT = L // C
+    f32 = jnp.float32
+    ein = functools.partial(jnp.einsum, precision=VJP_PRECISION)
+    ch = lambda x: x.astype(f32).reshape(NT, C, *x.shape[1:])
+    kc, vc, Gc, bc, dwc, duc = ch(jnp.repeat(k, HV // H, axis=1)), ch(v), ch(G), ch(beta), ch(dw), ch(du)
+    eg = jnp.exp(Gc)  # [NT, C, HV]
+    s = bc * eg
+    dkb = ein("nhij,nihk->njhk", Tm, dwc)  # T^T dw
+    dvb = ein("nhij,nihv->njhv", Tm, duc)
+    dT = ein("nihk,njhk->nhij", dwc, kc * s[..., None]) + ein("nihv,njhv->nhij", duc, vc * bc[..., None])
+    dA = -ein("nhji,nhjl,nhml->nhim", Tm, dT, Tm)  # -T^T dT T^T
+    i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    Gh = jnp.moveaxis(Gc, 1, 2)  # [NT, HV, C]
+    E = jnp.where(i > j, jnp.exp(jnp.where(i > j, Gh[..., :, None] - Gh[..., None, :], 0.0)), 0.0)
+    kk = ein("nihk,njhk->nhij", kc, kc)
+    bh = jnp.moveaxis(bc, 1, 2)
+    dkk = dA * E * bh[..., :, None]  # gradient of K K^T, strictly lower
+    P = dkk * kk  # dA * A
+    kb_dot = jnp.sum(dkb * kc, axis=-1)  # [NT, C, HV]
+    dk = dkb * s[..., None] + ein("nhij,njhk->nihk", dkk, kc) + ein("nhij,nihk->njhk", dkk, kc)
+    dv = dvb * bc[..., None]
+    dbeta = kb_dot * eg + jnp.sum(dvb * vc, axis=-1) + jnp.moveaxis(jnp.sum(dA * E * kk, axis=-1), 1, 2)
+    dG = kb_dot * s + jnp.moveaxis(jnp.sum(P, axis=-1) - jnp.sum(P, axis=-2), 1, 2)
+    dk = dk.reshape(L, H, HV // H, K).sum(axis=2)
+    return dk, dv.reshape(L, HV, -1), dG.reshape(L, HV), dbeta.reshape(L, HV)
 
 
 def _delta_local(C: int, scale: float, q, k, w, u, G, h):
@@ -272,18 +311,18 @@ def _delta_local(C: int, scale: float, q, k, w, u, G, h):
     L, H, K = q.shape
     HV, V = u.shape[1:]
     NT = L // C
-    hi = jax.lax.Precision.HIGHEST
+    prec = VJP_PRECISION
     f32 = jnp.float32
     ch = lambda x: x.astype(f32).reshape(NT, C, *x.shape[1:])
     qc, kc = (ch(jnp.repeat(x, HV // H, axis=1)) for x in (q, k))
     wc, uc, Gc, hf = ch(w), ch(u), ch(G), h.astype(f32)
-    vn = uc - jnp.einsum("nchk,nhkv->nchv", wc, hf, precision=hi)
+    vn = uc - jnp.einsum("nchk,nhkv->nchv", wc, hf, precision=prec)
     i, j = jnp.arange(C)[:, None, None], jnp.arange(C)[None, :, None]
     decay = jnp.exp(jnp.where(i >= j, Gc[:, :, None, :] - Gc[:, None, :, :], -jnp.inf))  # [NT, i, j, HV]
-    A = jnp.einsum("nihk,njhk->nijh", qc, kc, precision=hi) * decay * scale
-    o = scale * jnp.einsum("nchk,nhkv->nchv", qc * jnp.exp(Gc)[..., None], hf, precision=hi)
-    o = o + jnp.einsum("nijh,njhv->nihv", A, vn, precision=hi)
+    A = jnp.einsum("nihk,njhk->nijh", qc, kc, precision=prec) * decay * scale
+    o = scale * jnp.einsum("nchk,nhkv->nchv", qc * jnp.exp(Gc)[..., None], hf, precision=prec)
+    o = o + jnp.einsum("nijh,njhv->nihv", A, vn, precision=prec)
     glast = Gc[:, -1]  # [NT, HV]
     kd = kc * jnp.exp(glast[:, None] - Gc)[..., None]
-    after = jnp.exp(glast)[..., None, None] * hf + jnp.einsum("nchk,nchv->nhkv", kd, vn, precision=hi)
+    after = jnp.exp(glast)[..., None, None] * hf + jnp.einsum("nchk,nchv->nhkv", kd, vn, precision=prec)
     return o.reshape(L, HV, V), after

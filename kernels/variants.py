@@ -55,12 +55,14 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
     ),
-    ("delta", "fwd"): (  # work in progress: not dispatched (fla_jax/tilelang_backend.py)
+    ("delta", "fwd"): (
+        Program(name="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u")),
+        Program(name="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"), config=(("store_t", True),)),
         Program(name="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht")),
         Program(name="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
                 config=(("store_h", True),)),
     ),
-    ("delta", "bwd"): (  # work in progress, as above
+    ("delta", "bwd"): (
         Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0")),
     ),
     ("simple_gla", "bwd"): (
@@ -74,6 +76,10 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dh_bk64", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("BK", 64),)),
+    ),
+    ("delta", "fwd", "bf16", 128): (  # the forward substitution split over 4 / 8 threads per column
+        Program(name="x_wy256", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 256),)),
+        Program(name="x_wy512", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 512),)),
     ),
 }
 

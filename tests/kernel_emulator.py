@@ -182,7 +182,29 @@ def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
     return _unwritten(dh.astype(dt), cstart, ccount, False), dh0
 
 
-DELTA_PROGRAMS = {"_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh}
+def delta_wy_t(k, v, G, beta):
+    """kernels/delta/wy.py `chunk_delta_wy(store_t=True)`: w, u (input dtype), T (float32)."""
+    HV = v.shape[1]
+    kc, vc, Gc, bc = (_chunks(x)[0] for x in (jnp.repeat(k, HV // k.shape[1], axis=1), v, G, beta))  # [NT, C, HV, .]
+    hi = jax.lax.Precision.HIGHEST
+    lower = jnp.tril(jnp.ones((C, C), bool), -1)[None, None]
+    Gh, bh = jnp.moveaxis(Gc, 1, 2), jnp.moveaxis(bc, 1, 2)  # [NT, HV, C]
+    E = jnp.exp(jnp.where(lower, Gh[..., :, None] - Gh[..., None, :], -jnp.inf))
+    A = bh[..., :, None] * jnp.einsum("nihk,njhk->nhij", kc, kc, precision=hi) * E
+    eye = jnp.eye(C, dtype=f32)
+    Tm = jax.scipy.linalg.solve_triangular(eye + A, jnp.broadcast_to(eye, A.shape), lower=True, unit_diagonal=True)
+    w = jnp.einsum("nhij,njhk->nihk", Tm, kc * (bc * jnp.exp(Gc))[..., None], precision=hi)
+    u = jnp.einsum("nhij,njhv->nihv", Tm, vc * bc[..., None], precision=hi)
+    flat = lambda x: x.reshape(-1, *x.shape[2:]).astype(k.dtype)
+    return flat(w), flat(u), Tm
+
+
+def delta_wy(k, v, G, beta):
+    return delta_wy_t(k, v, G, beta)[:2]
+
+
+DELTA_PROGRAMS = {"_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
+                  "_wy_t": delta_wy_t}
 
 
 def call(target, results, *args, **attrs):

@@ -14,6 +14,7 @@ import fla_jax
 from cases import Case, loss_and_outputs, make_inputs
 from check import err_ratio, reference_grads
 from fla_jax import _problem, tilelang_backend
+from kernels import variants
 
 pytestmark = pytest.mark.skipif(not tilelang_backend.registered(), reason="the TileLang extension is not built (python build.py)")
 on_hopper = pytest.mark.skipif(not fla_jax.backends()["tilelang"].usable, reason=str(fla_jax.backends()["tilelang"]))
@@ -114,6 +115,47 @@ def test_tilelang_delta_matches_float64(case, monkeypatch):
     limit = lambda n: 0.006 if n in ("o", "ht") else 0.02 if n in ("dbeta", "dg") else 0.008
     bad = {n: e for n, e in errs.items() if not e <= limit(n)}
     assert not bad, bad
+
+
+def _program_inputs(op: str, name: str, dtype: str, D: int):
+    """(results, args, attrs) for one program kind on 2 sequences of 192 and 320 tokens."""
+    rng = np.random.default_rng(5)
+    L, H, NT = 512, 3, 8
+    x = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+    G = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H))) * 0.1, jnp.float32), 1).reshape(L, H)
+    cstart, ccount = jnp.asarray([0, 3], jnp.int32), jnp.asarray([3, 5], jnp.int32)
+    like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
+    if (op, name) == ("simple_gla", "dh"):
+        q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
+        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
+    if (op, name) == ("delta", "wy"):
+        k = x(L, H, D)
+        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
+        v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
+        return (like(k), like(v)), (k, v, G, beta), {}
+    raise NotImplementedError(f"no inputs for {op} {name}: add them here")
+
+
+EXPERIMENTS = [(key, prog) for key, progs in variants.EXPERIMENTS.items() for prog in progs]
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("key,prog", EXPERIMENTS, ids=[f"{k[0]}-{p.name}" for k, p in EXPERIMENTS])
+def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch):
+    """Each alternative kernel config (kernels/variants.py EXPERIMENTS) computes what the
+    dispatched program of its kind computes, NaN-poisoned outputs, before any dispatch may use it."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    op, direction, dt, K = key
+    variant = variants.find(op, direction, variants.DTYPES[dt], K, K)
+    rest = prog.name.removeprefix("x_")
+    main = max((p for p in variant.programs if not p.name.startswith("x_") and rest.startswith(p.name)), key=lambda p: len(p.name))
+    results, args, attrs = _program_inputs(op, main.name, variants.DTYPES[dt], K)
+    run = lambda p: jax.jit(lambda *a: tilelang_backend._call(variant.target(p), results, *a, **attrs))(*args)
+    want, got = run(main), run(prog)
+    errs = [err_ratio(np.asarray(w.astype(jnp.float32)), g) for w, g in zip(want, got)]
+    print(prog.name, "vs", main.name, [f"{e:.1e}" for e in errs])
+    assert all(e <= 2e-3 for e in errs), errs
 
 
 @on_hopper

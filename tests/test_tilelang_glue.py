@@ -3,12 +3,14 @@ gradient, custom_vjp, partitioning) on CPU, with kernel_emulator standing in for
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from cases import Case, loss_and_outputs, make_inputs
 from check import err_ratio, reference_grads
 import kernel_emulator
-from fla_jax import _backends, tilelang_backend
+from fla_jax import _backends, tilelang_backend, xla
 from fla_jax._problem import Problem
 from kernels.variants import VARIANTS
 
@@ -96,3 +98,31 @@ def test_glue_partitions_along_batch_and_heads(op, emulated, monkeypatch):
     assert err_ratio(want_o, got_o) < 1e-6 and err_ratio(want_ht, got_ht) < 1e-6
     for n in want_g:
         assert err_ratio(want_g[n], got_g[n]) < 1e-6, n
+
+
+@pytest.mark.parametrize("H,HV", [(2, 2), (1, 3)])
+def test_wy_vjp_matches_autodiff(H, HV, monkeypatch):
+    """`_wy_vjp` (the WY preparation's VJP from the kernel's stored T) against JAX's VJP of the
+    xla backend's WY math, float32 at HIGHEST precision, tight tolerance: catches a wrong term
+    that the end-to-end tests' bf16 tolerance could hide."""
+    monkeypatch.setattr(tilelang_backend, "VJP_PRECISION", jax.lax.Precision.HIGHEST)
+    C, K, V, L = 64, 32, 16, 128
+    ks = jax.random.split(jax.random.key(7), 6)
+    k = jax.random.normal(ks[0], (L, H, K)) / K**0.5
+    v = jax.random.normal(ks[1], (L, HV, V))
+    G = jnp.cumsum(-jax.random.uniform(ks[2], (L // C, C, HV)) * 0.2, axis=1).reshape(L, HV)
+    beta = jax.random.uniform(ks[3], (L, HV))
+    dw, du = jax.random.normal(ks[4], (L, HV, K)), jax.random.normal(ks[5], (L, HV, V))
+
+    def prepare(k, v, G, beta):
+        row = lambda x: xla._chunks(x[None], C)
+        kc, vc, Gc, bc = row(jnp.repeat(k, HV // H, axis=1)), row(v), row(G), row(beta)
+        Tm = xla.delta_solve(xla.wy_matrix(kc, Gc, bc))
+        w, u = xla.wy_apply(Tm, kc, vc, Gc, bc, precision=jax.lax.Precision.HIGHEST)
+        return xla._unchunk(w)[0], xla._unchunk(u)[0]
+
+    want = jax.vjp(prepare, k, v, G, beta)[1]((dw, du))
+    _, _, Tm = kernel_emulator.delta_wy_t(k, v, G, beta)
+    got = tilelang_backend._wy_vjp(C, Tm, k, v, G, beta, dw, du)
+    errs = {n: err_ratio(a, b) for n, a, b in zip(("dk", "dv", "dG", "dbeta"), want, got)}
+    assert all(e <= 1e-5 for e in errs.values()), errs
