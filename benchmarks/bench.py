@@ -171,13 +171,13 @@ def main(argv=None):
     ap.add_argument("--impls", default="fla_jax:xla,jla:mosaic_gpu,fla")
     ap.add_argument("--lift-fla-check", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--delta-kernels", action="store_true",
-                    help="switch on the tilelang delta-rule kernels (built, off by default until they pass on a GPU)")
+    ap.add_argument("--delta-fused-bwd", action="store_true",
+                    help="tilelang delta rules: the per-chunk backward by the consumer kernel (DELTA_FUSED_BWD)")
     args = ap.parse_args(argv)
-    if args.delta_kernels:
+    if args.delta_fused_bwd:
         from fla_jax import tilelang_backend
 
-        tilelang_backend.DELTA_ENABLED = True
+        tilelang_backend.DELTA_FUSED_BWD = True
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     impls = args.impls.split(",")

@@ -56,6 +56,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
             "fused_h": ((like(v), like(v), state, final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), like(v), final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, k, w, do, G, h0, cstart, ccount), {"scale": s}),
+            "dqkvg": ((like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new
         }
         f32 = lambda a: a.astype(jnp.float32)
         local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])

@@ -26,6 +26,6 @@ timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -s ${se
 [ "$shapes" = issue ] && kshapes=() || kshapes=(--shapes "$shapes")
 (cd benchmarks && timeout "$(left)" python3 bench_kernels.py --ops "$kops" "${kshapes[@]}" --json "$out/kernels.json" | tail -40)
 timeout "$(left)" python3 benchmarks/bench.py --ops "$ops" --shapes "$shapes" \
-  --impls fla_jax:tilelang,jla:mosaic_gpu,fla --lift-fla-check --delta-kernels --json "$out/bench.json" 2>&1 | grep -E "^\{|^\|"
+  --impls fla_jax:tilelang,jla:mosaic_gpu,fla --lift-fla-check ${FUSED:+--delta-fused-bwd} --json "$out/bench.json" 2>&1 | grep -E "^\{|^\|"
 tar czf - -C "$HOME" .triton | split -b 15m - "$out/tc.part."
 echo "gpu_session: done in ${SECONDS}s"

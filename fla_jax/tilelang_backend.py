@@ -4,8 +4,9 @@
 Built so far: simple GLA (`kernels/simple_gla/`): forward (one pass, states kept on chip; under a
 gradient it also stores the state before each chunk) and backward (reverse state-gradient pass, one
 fused dq/dk/dv/dg consumer), bf16/fp16 inputs, K = V in {64, 128, 256}, dense batches and
-`cu_seqlens`. The delta rules (`kernels/delta/`: the sequential passes as kernels, the
-chunk-parallel parts in XLA) are built but switched off (`DELTA_ENABLED`) until they pass on a GPU.
+`cu_seqlens`. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
+reverse state-gradient pass as kernels, the backward's chunk-parallel VJPs in XLA (or, with
+`DELTA_FUSED_BWD`, not yet run on a GPU, the per-chunk part by simple GLA's consumer kernel).
 Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
 """
 
@@ -36,9 +37,10 @@ except ImportError:  # an installed wheel without the kernels package: nothing i
     _find_variant = None
 
 
-# Work in progress: the delta-rule kernels (kernels/delta/) lower and compile but have not run on a
-# GPU; until they pass tests/test_tilelang.py there, the dispatch refuses the delta rules.
-DELTA_ENABLED = True
+# The delta-rule backward's per-chunk part by the simple GLA consumer kernel on v_new
+# (`chunk_bwd_dqkvg(delta=True)`) instead of JAX's VJP of `_delta_local`: built, checked on CPU
+# with emulated kernels, not yet run on a GPU (tests/test_tilelang.py switches it on there).
+DELTA_FUSED_BWD = False
 
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
@@ -89,7 +91,7 @@ def status() -> tuple[bool, str | None]:
 def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2norm: bool) -> str | None:
     """Why the kernels cannot take this call, or None when they can (`cu_seqlens` is supported)."""
     del varlen, grouped, l2norm  # grouped heads and l2 normalisation exist only for the delta rules
-    if p.op == "gla" or (p.delta and not DELTA_ENABLED):
+    if p.op == "gla":
         return f"no TileLang kernels for {p.op} yet"
     if p.chunk_size != 64:
         return f"the kernels use chunk_size 64, got {p.chunk_size}"
@@ -133,8 +135,9 @@ def _token_layouts(p: Problem) -> tuple[str, ...]:
 
 
 def _wy_layouts(p: Problem) -> tuple[str, ...]:
-    """The delta rules' stored WY preparation: w, u (per token), T (per chunk)."""
-    return ("bthk", "bthv", "bchkv") if p.delta else ()
+    """What the delta rules' forward stores besides h: the WY preparation's w, u (per token) and
+    T (per chunk), and v_new (per token)."""
+    return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ()
 
 
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
@@ -163,7 +166,7 @@ def _like(x, dtype=None, heads=None) -> jax.ShapeDtypeStruct:
 def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     """`(o, ht)`, or with `store_h` `(o, h, *wy, ht)`: h `[B, NT, HV, K, V]`, the state before each
     chunk, and for the delta rules wy = the WY preparation's `w, u` (rows like v) and `T`
-    (`[B, NT, HV, C, C]`), for the backward. `arrays`: the token arrays, h0, the varlen tables."""
+    (`[B, NT, HV, C, C]`), and `v_new` (rows like v), for the backward. `arrays`: the token arrays, h0, the varlen tables."""
     n = len(_token_layouts(p))
     tokens, h0, tables = arrays[:n], arrays[n], arrays[n + 1 :]
     C = p.chunk_size
@@ -188,10 +191,12 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         (_like(vf), *extra, *h, _like(h0, jnp.float32)), *ins, Gf, h0, cstart, ccount, scale=np.float32(scale),
     )
     h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
+    if wy:  # and v_new, for the backward's consumer kernel
+        wy = (*wy, out[1].reshape(B, Lr, HV, V))
     return (out[0].reshape(B, Lr, HV, V), *h, *wy, out[-1])
 
 
-def _backward(p: Problem, scale: float, *arrays):
+def _backward(p: Problem, scale: float, fused: bool, *arrays):
     """Gradients of the token arrays and of h0, from (token arrays, h, *wy, tables, do, dht);
     wy as `_forward` stores it (delta rules only)."""
     n = len(_token_layouts(p))
@@ -214,27 +219,41 @@ def _backward(p: Problem, scale: float, *arrays):
         return (*(rows(g, g.dtype) for g in grads), dh0)
     # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
     # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
-    wd, ud, Tm = (x.reshape(-1, *x.shape[2:]) for x in wy)
+    wd, ud, Tm, vn = (x.reshape(-1, *x.shape[2:]) for x in wy)
     dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
-    _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
-    dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
+    if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, then dw = -dv_new h^T
+        H, HV = qf.shape[1], vf.shape[1]
+        heads = lambda x: _like(x, None, HV)
+        dq, dk, du, dG = _call(bwd["dqkvg"], (heads(qf), heads(kf), _like(vf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, scale=s)
+        NT = hf.shape[0]
+        dw = -jnp.einsum("nchv,nhkv->nchk", du.reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32)
+        dw, du = dw.reshape(-1, HV, K), f32(du)
+        dq, dk = (f32(x).reshape(-1, H, HV // H, K).sum(axis=2) for x in (dq, dk))
+    else:
+        _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
+        dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
     dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, du)
     return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
 
 
-@functools.lru_cache(maxsize=None)
 def _partitioned(p: Problem, scale: float, direction: str, varlen: bool):
     """The forward (`fwd`, `fwd_h`: with stored states) or backward as one custom-partitioned
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
-    states whole."""
+    states whole. The module's switches are read here, so that changing them takes effect."""
+    return _partitioned_with(p, scale, direction, varlen, DELTA_FUSED_BWD, VJP_PRECISION)
+
+
+@functools.cache
+def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, fused: bool, precision):
+    del precision  # read by `_delta_local` and `_wy_vjp` while they trace; a key of the cache here
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
     tokens = _token_layouts(p)
     if direction == "bwd":
         ins, outs = tokens + ("bchkv",) + _wy_layouts(p) + tables + ("bthv", state), tokens + (state,)
-        fn = functools.partial(_backward, p, scale)
+        fn = functools.partial(_backward, p, scale, fused)
     else:
         ins = tokens + (state,) + tables
         outs = ("bthv", "bchkv") + _wy_layouts(p) + (state,) if direction == "fwd_h" else ("bthv", state)

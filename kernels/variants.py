@@ -64,6 +64,10 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ),
     ("delta", "bwd"): (
         Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0")),
+        # the simple GLA consumer on v_new (dv is the gradient of v_new): dispatched only with
+        # DELTA_FUSED_BWD, which has not yet run on a GPU
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True),)),
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),

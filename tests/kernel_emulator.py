@@ -203,8 +203,16 @@ def delta_wy(k, v, G, beta):
     return delta_wy_t(k, v, G, beta)[:2]
 
 
+def delta_bwd_dqkvg(q, k, vn, G, h, do, dh, *, scale):
+    """kernels/simple_gla/bwd.py `chunk_bwd_dqkvg(delta=True)`: the simple GLA consumer on v_new
+    with q/k head j // (HV / H); dq, dk per value head."""
+    HV = vn.shape[1]
+    rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
+    return bwd_dqkvg(rep(q), rep(k), vn, G, h, do, dh, scale=scale)
+
+
 DELTA_PROGRAMS = {"_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
-                  "_wy_t": delta_wy_t}
+                  "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg}
 
 
 def call(target, results, *args, **attrs):

@@ -100,11 +100,13 @@ DELTA_GPU_CASES = [
 
 @on_hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["xla_local_vjp", "consumer_kernel"])
 @pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
-def test_tilelang_delta_matches_float64(case, monkeypatch):
-    """Work in progress: the delta-rule kernels (switched on here) against float64 under
-    NaN-poisoned outputs, with fla's ratios (o 0.006, gradients 0.008, dbeta/dg 0.02)."""
-    monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
+def test_tilelang_delta_matches_float64(case, fused, monkeypatch):
+    """The delta-rule kernels against float64 under NaN-poisoned outputs, with fla's ratios (o
+    0.006, gradients 0.008, dbeta/dg 0.02); `fused`: the per-chunk backward by the consumer kernel
+    (DELTA_FUSED_BWD, not yet passed on a GPU)."""
+    monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 13)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
@@ -205,8 +207,6 @@ def test_unsupported_calls_say_why(monkeypatch):
     assert tilelang_backend.unsupported(p, **dict(call, varlen=True)) is None
     assert "gla" in tilelang_backend.unsupported(_problem.Problem(op="gla", delta=False, chunk_size=64, dtype="bfloat16"), **call)
     gdn = _problem.Problem(op="gated_delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
-    assert "gated_delta_rule" in tilelang_backend.unsupported(gdn, **call)  # built, switched off
-    monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
     assert tilelang_backend.unsupported(gdn, **dict(call, grouped=True, l2norm=True)) is None
     monkeypatch.setattr(tilelang_backend, "registered", lambda: [])  # an extension built before these kernels
     assert "rebuild" in tilelang_backend.unsupported(p, **call)
@@ -317,12 +317,13 @@ def test_tilelang_matches_fla_triton(gate):
     assert errs["o"] < 0.004 and errs["ht"] < 0.004, errs
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("K", [64, 128, 256])
-def test_delta_export_for_cuda_has_the_custom_calls(K, monkeypatch):
-    """Work in progress: with the delta kernels switched on, GDN (grouped heads, l2 norm) and its
-    gradient lower for CUDA to the sequential kernels (forward; forward storing states and the
-    reverse state-gradient pass) around XLA's parallel parts."""
-    monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
+def test_delta_export_for_cuda_has_the_custom_calls(K, fused, monkeypatch):
+    """GDN (grouped heads, l2 norm) and its gradient lower for CUDA to the kernels (forward: WY
+    preparation and the state pass; under a gradient both storing what the backward reads, the
+    reverse state-gradient pass and, with DELTA_FUSED_BWD, the consumer) around XLA's parallel parts."""
+    monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
     v = jnp.zeros((1, 100, 4, K), jnp.bfloat16)
@@ -332,8 +333,9 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, monkeypatch):
         return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
                                               backend="tilelang")
 
-    names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in (("fwd", "fused"), ("fwd", "fused_h"), ("bwd", "dh"))]
+    programs = [("fwd", "wy"), ("fwd", "fused"), ("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")] + [("bwd", "dqkvg")] * fused
+    names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]
     fwd, both = _cuda_custom_calls(f, (x, x, v, gb, gb), names)
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]
-    assert kernels(fwd) == names[:1]
-    assert sorted(kernels(both)) == sorted(names[1:])
+    assert kernels(fwd) == names[:2]
+    assert sorted(kernels(both)) == sorted(names[2:])

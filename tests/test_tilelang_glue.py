@@ -52,12 +52,13 @@ DELTA_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["xla_local_vjp", "consumer_kernel"])
 @pytest.mark.parametrize("case", DELTA_CASES, ids=str)
-def test_delta_glue_matches_float64(case, emulated, monkeypatch):
-    """The delta-rule path (XLA WY preparation and per-chunk VJP around the two sequential
-    kernels, emulated here) against the float64 recurrence, outputs and every gradient. The real
-    kernels are switched off until they pass on a GPU; this switches them on."""
-    monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
+def test_delta_glue_matches_float64(case, fused, emulated, monkeypatch):
+    """The delta-rule path (WY preparation and sequential kernels, emulated here, around the XLA
+    VJPs; `fused`: the per-chunk VJP by the consumer kernel) against the float64 recurrence,
+    outputs and every gradient."""
+    monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
     p = Problem(op=case.op, delta=True, chunk_size=64, dtype=case.dtype)
     call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
     assert _backends.resolve("auto", p, **call).name == "tilelang"
@@ -80,7 +81,6 @@ def test_glue_partitions_along_batch_and_heads(op, emulated, monkeypatch):
     import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    monkeypatch.setattr(tilelang_backend, "DELTA_ENABLED", True)
     case = Case(op, 4, 100, 4, 64, 64, dtype="bfloat16", h0=True)
     diff, cot = make_inputs(case, 41)
     step = loss_and_outputs(case, "tilelang")

@@ -1,5 +1,4 @@
-"""Delta rule / GDN backward in TileLang: the sequential part (work in progress: lowered and
-compiled on the CPU box (CI), not yet run on a GPU, not dispatched: `DELTA_ENABLED`).
+"""Delta rule / GDN backward in TileLang: the sequential part.
 
 Layout and inputs as for `kernels/delta/fwd.py`, plus `w [L, HV, K]` and the states before each
 chunk `h [NT, HV, K, V]` stored by the forward (`store_h`).

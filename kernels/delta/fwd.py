@@ -1,11 +1,8 @@
 """Delta rule / gated delta rule (GDN) forward in TileLang: the sequential part.
 
-Work in progress: lowered and compiled on the CPU box (CI), not yet run on a GPU, so not
-dispatched (`fla_jax.tilelang_backend.DELTA_ENABLED`).
-
 Token layout as for simple GLA (`kernels/simple_gla/fwd.py`): flat chunk rows, sequences from
 `cstart`/`ccount`, `g` = in-chunk cumulative log gates (zeros for the plain delta rule), float32.
-The WY preparation is done before this kernel, per chunk and in parallel: with
+The WY preparation (`kernels/delta/wy.py`) runs before this kernel, per chunk and in parallel: with
 `T = (I + tril(Diag(beta)(K K^T * Gamma), -1))^{-1}`, `w = T (k * beta * exp(G))` and
 `u = T (v * beta)`, both `[L, HV, .]` per value head.
 

@@ -68,31 +68,21 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: 
 
 
 def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                    stages: int | None = None):
+                    stages: int | None = None, delta: bool = False):
     # two-stage loads over the V blocks: 0.387 against 0.431 ms at 4,4096,16,128 bf16 (H200); at
     # K = 256 the second stage would need 273 KB of shared memory, over Hopper's 227 KB
     stages = stages or (2 if K <= 128 else 1)
-    L, H, NT = T.dynamic("L, H, NT")
+    L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     NV = V // BV
     threads = threads or 128
+    # delta rules (the same consumer on v_new): HV value heads, q/k head j // (HV / H)
+    heads, group = (HV, HV // H) if delta else (H, 1)
 
-    @T.prim_func
-    def main(
-        q: T.Tensor((L, H, K), dtype),
-        k: T.Tensor((L, H, K), dtype),
-        v: T.Tensor((L, H, V), dtype),
-        g: T.Tensor((L, H), acc),
-        h: T.Tensor((NT, H, K, V), dtype),
-        do: T.Tensor((L, H, V), dtype),
-        dh: T.Tensor((NT, H, K, V), dtype),
-        scale: T.float32,
-        dq: T.Tensor((L, H, K), dtype),
-        dk: T.Tensor((L, H, K), dtype),
-        dv: T.Tensor((L, H, V), dtype),
-        dg: T.Tensor((L, H), acc),
-    ):
-        with T.Kernel(NT, H, threads=threads) as (it, ih):
+    @T.macro
+    def body(q, k, v, g, h, do, dh, scale, dq, dk, dv, dg):
+        with T.Kernel(NT, heads, threads=threads) as (it, ihv):
+            ih = ihv // group
             q_s = T.alloc_shared((BT, K), dtype)
             k_s = T.alloc_shared((BT, K), dtype)
             kd_s = T.alloc_shared((BT, K), dtype)
@@ -123,7 +113,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
 
             T.copy(q[it * BT : (it + 1) * BT, ih, 0:K], q_s)
             T.copy(k[it * BT : (it + 1) * BT, ih, 0:K], k_s)
-            T.copy(g[it * BT : (it + 1) * BT, ih], g_s, disable_tma=True)
+            T.copy(g[it * BT : (it + 1) * BT, ihv], g_s, disable_tma=True)
             for i in T.Parallel(1):
                 hdh_s[i] = 0.0
             T.clear(acc_a)
@@ -137,10 +127,10 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             T.clear(acc_dk)
             T.clear(acc_da)
             for iv in T.Pipelined(NV, num_stages=stages):
-                T.copy(v[it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV], v_s)
-                T.copy(do[it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV], do_s)
-                T.copy(h[it, ih, 0:K, iv * BV : (iv + 1) * BV], h_s)
-                T.copy(dh[it, ih, 0:K, iv * BV : (iv + 1) * BV], dh_s)
+                T.copy(v[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV], v_s)
+                T.copy(do[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV], do_s)
+                T.copy(h[it, ihv, 0:K, iv * BV : (iv + 1) * BV], h_s)
+                T.copy(dh[it, ihv, 0:K, iv * BV : (iv + 1) * BV], dh_s)
                 for i, j in T.Parallel(K, BV):
                     prod[i, j] = T.cast(h_s[i, j], acc) * T.cast(dh_s[i, j], acc)
                 T.reduce_sum(prod, prod_row, dim=1)
@@ -151,7 +141,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
                 T.gemm(kd_s, dh_s, acc_dv)
                 T.gemm(a_s, do_s, acc_dv, transpose_A=True)
                 T.copy(acc_dv, dv_s)
-                T.copy(dv_s, dv[it * BT : (it + 1) * BT, ih, iv * BV : (iv + 1) * BV])
+                T.copy(dv_s, dv[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
                 T.gemm(do_s, v_s, acc_da, transpose_B=True)
                 T.gemm(do_s, h_s, acc_dq, transpose_B=True)
                 T.gemm(v_s, dh_s, acc_dk, transpose_B=True)
@@ -179,9 +169,47 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
                     i == BT - 1, T.exp(g_s[BT - 1]) * hdh_s[0] + kdk_one[0], 0.0
                 )
             T.copy(acc_dq, dq_s)
-            T.copy(dq_s, dq[it * BT : (it + 1) * BT, ih, 0:K])
+            T.copy(dq_s, dq[it * BT : (it + 1) * BT, ihv, 0:K])
             T.copy(acc_dk, dk_s)
-            T.copy(dk_s, dk[it * BT : (it + 1) * BT, ih, 0:K])
-            T.copy(dg_s, dg[it * BT : (it + 1) * BT, ih], disable_tma=True)
+            T.copy(dk_s, dk[it * BT : (it + 1) * BT, ihv, 0:K])
+            T.copy(dg_s, dg[it * BT : (it + 1) * BT, ihv], disable_tma=True)
+
+    if delta:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            h: T.Tensor((NT, HV, K, V), dtype),
+            do: T.Tensor((L, HV, V), dtype),
+            dh: T.Tensor((NT, HV, K, V), dtype),
+            scale: T.float32,
+            dq: T.Tensor((L, HV, K), dtype),
+            dk: T.Tensor((L, HV, K), dtype),
+            dv: T.Tensor((L, HV, V), dtype),
+            dg: T.Tensor((L, HV), acc),
+        ):
+            body(q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, H, V), dtype),
+            g: T.Tensor((L, H), acc),
+            h: T.Tensor((NT, H, K, V), dtype),
+            do: T.Tensor((L, H, V), dtype),
+            dh: T.Tensor((NT, H, K, V), dtype),
+            scale: T.float32,
+            dq: T.Tensor((L, H, K), dtype),
+            dk: T.Tensor((L, H, K), dtype),
+            dv: T.Tensor((L, H, V), dtype),
+            dg: T.Tensor((L, H), acc),
+        ):
+            body(q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
 
     return main
