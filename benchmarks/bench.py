@@ -171,13 +171,13 @@ def main(argv=None):
     ap.add_argument("--impls", default="fla_jax:xla,jla:mosaic_gpu,fla")
     ap.add_argument("--lift-fla-check", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--delta-fused-bwd", action="store_true",
-                    help="tilelang delta rules: the per-chunk backward by the consumer kernel (DELTA_FUSED_BWD)")
+    ap.add_argument("--delta-bwd-kernels", action="store_true",
+                    help="tilelang delta rules: the backward's parallel parts by kernels (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL)")
     args = ap.parse_args(argv)
-    if args.delta_fused_bwd:
+    if args.delta_bwd_kernels:
         from fla_jax import tilelang_backend
 
-        tilelang_backend.DELTA_FUSED_BWD = True
+        tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = True
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     impls = args.impls.split(",")

@@ -57,6 +57,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
             "fused": ((like(v), like(v), final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, k, w, do, G, h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new
+            "wy_bwd": (tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (k, v, G, G)), (k, v, G, beta, Tm, w, u), {}),
         }
         f32 = lambda a: a.astype(jnp.float32)
         local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])
@@ -69,7 +70,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
     for direction in ("fwd", "bwd"):
         variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.programs:
-            kind = next(k for k in calls if prog.name.removeprefix("x_").startswith(k))
+            kind = next(k for k in sorted(calls, key=len, reverse=True) if prog.name.removeprefix("x_").startswith(k))
             results, args, attrs = calls[kind]
             fn = jax.jit(lambda *a, t=variant.target(prog), r=results, kw=attrs: tb._call(t, r, *a, **kw))
             yield f"{direction}:{prog.name}", fn, args

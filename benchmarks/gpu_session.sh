@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu_session.sh [budget_s=540] [ops=simple_gla] [shapes=issue] [pytest -k expr] [kernel ops=simple_gla]
 #
-# Writes gpu_tests.log, kernels.json, bench.json and the Triton cache (tc.part.*, 15 MB pieces:
+# With BWD_KERNELS=1 in the environment the delta rules' op benchmark uses their backward kernels
+# (bench.py --delta-bwd-kernels). Writes gpu_tests.log, kernels.json, bench.json and the Triton cache (tc.part.*, 15 MB pieces:
 # copy them into .tcache/ for the next call) under $OUT.
 set -u
 budget=${1:-540}
@@ -26,6 +27,6 @@ timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -s ${se
 [ "$shapes" = issue ] && kshapes=() || kshapes=(--shapes "$shapes")
 (cd benchmarks && timeout "$(left)" python3 bench_kernels.py --ops "$kops" "${kshapes[@]}" --json "$out/kernels.json" | tail -40)
 timeout "$(left)" python3 benchmarks/bench.py --ops "$ops" --shapes "$shapes" \
-  --impls fla_jax:tilelang,jla:mosaic_gpu,fla --lift-fla-check ${FUSED:+--delta-fused-bwd} --json "$out/bench.json" 2>&1 | grep -E "^\{|^\|"
+  --impls fla_jax:tilelang,jla:mosaic_gpu,fla --lift-fla-check ${BWD_KERNELS:+--delta-bwd-kernels} --json "$out/bench.json" 2>&1 | grep -E "^\{|^\|"
 tar czf - -C "$HOME" .triton | split -b 15m - "$out/tc.part."
 echo "gpu_session: done in ${SECONDS}s"

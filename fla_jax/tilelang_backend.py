@@ -42,6 +42,10 @@ except ImportError:  # an installed wheel without the kernels package: nothing i
 # with emulated kernels, not yet run on a GPU (tests/test_tilelang.py switches it on there).
 DELTA_FUSED_BWD = False
 
+# The WY preparation's VJP by a kernel (`kernels/delta/wy.py` `chunk_delta_wy_bwd`) instead of
+# `_wy_vjp` in XLA: built, checked on CPU with emulated kernels, not yet run on a GPU.
+DELTA_WY_BWD_KERNEL = False
+
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
 VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -196,9 +200,10 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     return (out[0].reshape(B, Lr, HV, V), *h, *wy, out[-1])
 
 
-def _backward(p: Problem, scale: float, fused: bool, *arrays):
+def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     """Gradients of the token arrays and of h0, from (token arrays, h, *wy, tables, do, dht);
-    wy as `_forward` stores it (delta rules only)."""
+    wy as `_forward` stores it (delta rules only). `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL."""
+    fused, wy_kernel = switches
     n = len(_token_layouts(p))
     m = n + 1 + len(_wy_layouts(p))
     tokens, h, wy, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-2], arrays[-2:]
@@ -233,7 +238,13 @@ def _backward(p: Problem, scale: float, fused: bool, *arrays):
     else:
         _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
         dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
-    dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, du)
+    if wy_kernel:
+        H, HV = kf.shape[1], vf.shape[1]
+        outs = (_like(kf, jnp.float32, HV), _like(vf, jnp.float32), _like(Gf), _like(Gf))
+        dk2, dv, dG2, dbeta = _call(bwd["wy_bwd"], outs, kf, vf, Gf, flat[4], Tm, dw.astype(kf.dtype), du.astype(kf.dtype))
+        dk2 = dk2.reshape(-1, H, HV // H, K).sum(axis=2)
+    else:
+        dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, du)
     return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
 
@@ -243,17 +254,17 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool):
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
     states whole. The module's switches are read here, so that changing them takes effect."""
-    return _partitioned_with(p, scale, direction, varlen, DELTA_FUSED_BWD, VJP_PRECISION)
+    return _partitioned_with(p, scale, direction, varlen, (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL), VJP_PRECISION)
 
 
 @functools.cache
-def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, fused: bool, precision):
+def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, switches: tuple, precision):
     del precision  # read by `_delta_local` and `_wy_vjp` while they trace; a key of the cache here
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
     tokens = _token_layouts(p)
     if direction == "bwd":
         ins, outs = tokens + ("bchkv",) + _wy_layouts(p) + tables + ("bthv", state), tokens + (state,)
-        fn = functools.partial(_backward, p, scale, fused)
+        fn = functools.partial(_backward, p, scale, switches)
     else:
         ins = tokens + (state,) + tables
         outs = ("bthv", "bchkv") + _wy_layouts(p) + (state,) if direction == "fwd_h" else ("bthv", state)

@@ -68,6 +68,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # DELTA_FUSED_BWD, which has not yet run on a GPU
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True),)),
+        # the WY preparation's VJP given T: dispatched only with DELTA_WY_BWD_KERNEL (not yet run on a GPU)
+        Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),

@@ -113,3 +113,8 @@ def loss_and_outputs(case: Case, backend: str):
         return l, (o, ht)
 
     return jax.jit(jax.grad(loss, has_aux=True))
+
+
+# The delta rules' tilelang backward, (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL): its chunk-parallel parts
+# as XLA VJPs, the per-chunk part by the consumer kernel, and the WY VJP by its kernel too.
+DELTA_BWD_MODES = {"xla_vjps": (False, False), "consumer_kernel": (True, False), "all_kernels": (True, True)}

@@ -182,10 +182,9 @@ def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
     return _unwritten(dh.astype(dt), cstart, ccount, False), dh0
 
 
-def delta_wy_t(k, v, G, beta):
-    """kernels/delta/wy.py `chunk_delta_wy(store_t=True)`: w, u (input dtype), T (float32)."""
-    HV = v.shape[1]
-    kc, vc, Gc, bc = (_chunks(x)[0] for x in (jnp.repeat(k, HV // k.shape[1], axis=1), v, G, beta))  # [NT, C, HV, .]
+def _wy(k, v, G, beta):
+    """w, u (flat, float32) and T of the WY preparation; k has one head per value head."""
+    kc, vc, Gc, bc = (_chunks(x)[0] for x in (k, v, G, beta))  # [NT, C, HV, .]
     hi = jax.lax.Precision.HIGHEST
     lower = jnp.tril(jnp.ones((C, C), bool), -1)[None, None]
     Gh, bh = jnp.moveaxis(Gc, 1, 2), jnp.moveaxis(bc, 1, 2)  # [NT, HV, C]
@@ -195,8 +194,14 @@ def delta_wy_t(k, v, G, beta):
     Tm = jax.scipy.linalg.solve_triangular(eye + A, jnp.broadcast_to(eye, A.shape), lower=True, unit_diagonal=True)
     w = jnp.einsum("nhij,njhk->nihk", Tm, kc * (bc * jnp.exp(Gc))[..., None], precision=hi)
     u = jnp.einsum("nhij,njhv->nihv", Tm, vc * bc[..., None], precision=hi)
-    flat = lambda x: x.reshape(-1, *x.shape[2:]).astype(k.dtype)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])
     return flat(w), flat(u), Tm
+
+
+def delta_wy_t(k, v, G, beta):
+    """kernels/delta/wy.py `chunk_delta_wy(store_t=True)`: w, u (input dtype), T (float32)."""
+    w, u, Tm = _wy(jnp.repeat(k, v.shape[1] // k.shape[1], axis=1), v, G, beta)
+    return w.astype(k.dtype), u.astype(k.dtype), Tm
 
 
 def delta_wy(k, v, G, beta):
@@ -211,8 +216,18 @@ def delta_bwd_dqkvg(q, k, vn, G, h, do, dh, *, scale):
     return bwd_dqkvg(rep(q), rep(k), vn, G, h, do, dh, scale=scale)
 
 
+def delta_wy_bwd(k, v, G, beta, Tm, dw, du):
+    """kernels/delta/wy.py `chunk_delta_wy_bwd`: dk (per value head), dv, dG, dbeta, float32, by
+    JAX's VJP of the preparation (T recomputed)."""
+    del Tm
+    kr = jnp.repeat(k, v.shape[1] // k.shape[1], axis=1).astype(f32)
+    _, vjp = jax.vjp(lambda *a: _wy(*a)[:2], kr, v.astype(f32), G, beta)
+    return vjp((dw.astype(f32), du.astype(f32)))
+
+
 DELTA_PROGRAMS = {"_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
-                  "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg}
+                  "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg,
+                  "_wy_bwd": delta_wy_bwd}
 
 
 def call(target, results, *args, **attrs):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fla_jax
-from cases import Case, loss_and_outputs, make_inputs
+from cases import DELTA_BWD_MODES, Case, loss_and_outputs, make_inputs
 from check import err_ratio, reference_grads
 from fla_jax import _problem, tilelang_backend
 from kernels import variants
@@ -100,13 +100,16 @@ DELTA_GPU_CASES = [
 
 @on_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["xla_local_vjp", "consumer_kernel"])
+@pytest.mark.parametrize("mode", DELTA_BWD_MODES)
 @pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
-def test_tilelang_delta_matches_float64(case, fused, monkeypatch):
+def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
     """The delta-rule kernels against float64 under NaN-poisoned outputs, with fla's ratios (o
-    0.006, gradients 0.008, dbeta/dg 0.02); `fused`: the per-chunk backward by the consumer kernel
-    (DELTA_FUSED_BWD, not yet passed on a GPU)."""
+    0.006, gradients 0.008, dbeta/dg 0.02); the backward's parallel parts in XLA, or by the
+    consumer kernel (DELTA_FUSED_BWD) and the WY VJP kernel (DELTA_WY_BWD_KERNEL), which have not
+    yet passed on a GPU."""
+    fused, wy_kernel = DELTA_BWD_MODES[mode]
     monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
+    monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 13)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
@@ -317,13 +320,16 @@ def test_tilelang_matches_fla_triton(gate):
     assert errs["o"] < 0.004 and errs["ht"] < 0.004, errs
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode", DELTA_BWD_MODES)
 @pytest.mark.parametrize("K", [64, 128, 256])
-def test_delta_export_for_cuda_has_the_custom_calls(K, fused, monkeypatch):
+def test_delta_export_for_cuda_has_the_custom_calls(K, mode, monkeypatch):
     """GDN (grouped heads, l2 norm) and its gradient lower for CUDA to the kernels (forward: WY
     preparation and the state pass; under a gradient both storing what the backward reads, the
-    reverse state-gradient pass and, with DELTA_FUSED_BWD, the consumer) around XLA's parallel parts."""
+    reverse state-gradient pass and, when switched on, the consumer and WY VJP kernels) around
+    XLA's parallel parts."""
+    fused, wy_kernel = DELTA_BWD_MODES[mode]
     monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
+    monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
     v = jnp.zeros((1, 100, 4, K), jnp.bfloat16)
@@ -333,7 +339,8 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, fused, monkeypatch):
         return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
                                               backend="tilelang")
 
-    programs = [("fwd", "wy"), ("fwd", "fused"), ("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")] + [("bwd", "dqkvg")] * fused
+    programs = [("fwd", "wy"), ("fwd", "fused"), ("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
+    programs += [("bwd", "dqkvg")] * fused + [("bwd", "wy_bwd")] * wy_kernel
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]
     fwd, both = _cuda_custom_calls(f, (x, x, v, gb, gb), names)
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]

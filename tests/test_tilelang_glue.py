@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cases import Case, loss_and_outputs, make_inputs
+from cases import DELTA_BWD_MODES, Case, loss_and_outputs, make_inputs
 from check import err_ratio, reference_grads
 import kernel_emulator
 from fla_jax import _backends, tilelang_backend, xla
@@ -52,13 +52,15 @@ DELTA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["xla_local_vjp", "consumer_kernel"])
+@pytest.mark.parametrize("mode", DELTA_BWD_MODES)
 @pytest.mark.parametrize("case", DELTA_CASES, ids=str)
-def test_delta_glue_matches_float64(case, fused, emulated, monkeypatch):
+def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
     """The delta-rule path (WY preparation and sequential kernels, emulated here, around the XLA
-    VJPs; `fused`: the per-chunk VJP by the consumer kernel) against the float64 recurrence,
-    outputs and every gradient."""
+    VJPs; or with the per-chunk VJP by the consumer kernel, and the WY VJP by its kernel) against
+    the float64 recurrence, outputs and every gradient."""
+    fused, wy_kernel = DELTA_BWD_MODES[mode]
     monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
+    monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
     p = Problem(op=case.op, delta=True, chunk_size=64, dtype=case.dtype)
     call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
     assert _backends.resolve("auto", p, **call).name == "tilelang"

@@ -120,3 +120,148 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             body(k, v, g, beta, w, u, None)
 
     return main
+
+
+def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None):
+    """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
+    from `dw`, `du` (input dtype) to `dk` (per value head: the caller sums a group), `dv`, `dG`,
+    `dbeta` (float32). With `s = beta exp(G)`:
+    `dkb = T^T dw`, `dvb = T^T du`, `dT = (dw k^T) Diag(s) + (du v^T) Diag(beta)`,
+    `dA = -T^T dT T^T` (strictly lower part), `dkk = dA * exp(G_i - G_j) beta_i`,
+    `dk = dkb s + dkk k + dkk^T k`, `dv = dvb beta`,
+    `dbeta = exp(G) rowsum(dkb k) + rowsum(dvb v) + rowsum(dA * exp(G_i - G_j) * K K^T)`,
+    `dG = s rowsum(dkb k) + rowsum(P) - colsum(P)` with `P = dkk * K K^T`.
+    Float32 matrices enter the tensor cores as hi + lo input-dtype halves (`hi lo'` products of
+    both halves where both operands are float32, lo * lo dropped)."""
+    L, H, HV, NT = T.dynamic("L, H, HV, NT")
+    acc = "float32"
+    threads = threads or (256 if max(K, V) > 128 else 128)
+
+    @T.macro
+    def halves(x, hi_s, lo_s):
+        for a, b in T.Parallel(BT, BT):
+            hi_s[a, b] = T.cast(x[a, b], dtype)
+            lo_s[a, b] = T.cast(x[a, b] - T.cast(T.cast(x[a, b], dtype), acc), dtype)
+
+    @T.prim_func
+    def main(
+        k: T.Tensor((L, H, K), dtype),
+        v: T.Tensor((L, HV, V), dtype),
+        g: T.Tensor((L, HV), acc),
+        beta: T.Tensor((L, HV), acc),
+        t: T.Tensor((NT, HV, BT, BT), acc),
+        dw: T.Tensor((L, HV, K), dtype),
+        du: T.Tensor((L, HV, V), dtype),
+        dk: T.Tensor((L, HV, K), acc),
+        dv: T.Tensor((L, HV, V), acc),
+        dg: T.Tensor((L, HV), acc),
+        dbeta: T.Tensor((L, HV), acc),
+    ):
+        with T.Kernel(NT, HV, threads=threads) as (ic, ihv):
+            ih = ihv // (HV // H)
+            t0 = ic * BT
+            k_s = T.alloc_shared((BT, K), dtype)
+            v_s = T.alloc_shared((BT, V), dtype)
+            dw_s = T.alloc_shared((BT, K), dtype)
+            du_s = T.alloc_shared((BT, V), dtype)
+            t_s = T.alloc_shared((BT, BT), acc)
+            th_s = T.alloc_shared((BT, BT), dtype)  # T = th + tl
+            tl_s = T.alloc_shared((BT, BT), dtype)
+            xh_s = T.alloc_shared((BT, BT), dtype)  # halves of dT, then of dT T^T, then of dkk
+            xl_s = T.alloc_shared((BT, BT), dtype)
+            g_s = T.alloc_shared((BT,), acc)
+            b_s = T.alloc_shared((BT,), acc)
+            rb_s = T.alloc_shared((BT,), acc)  # row sums of dA * E * KK^T (dbeta)
+            rg_s = T.alloc_shared((BT,), acc)  # row sums - column sums of P (dG)
+            rv_s = T.alloc_shared((BT,), acc)  # row sums of dvb * v
+            acc_c = T.alloc_fragment((BT, BT), acc)
+            acc_c2 = T.alloc_fragment((BT, BT), acc)
+            acc_kk = T.alloc_fragment((BT, BT), acc)
+            row = T.alloc_fragment((BT,), acc)
+            col = T.alloc_fragment((BT,), acc)
+            vrow = T.alloc_fragment((BT,), acc)
+            acc_v = T.alloc_fragment((BT, V), acc)
+            acc_k = T.alloc_fragment((BT, K), acc)
+            acc_k2 = T.alloc_fragment((BT, K), acc)
+            krow = T.alloc_fragment((BT,), acc)
+
+            T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
+            T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
+            T.copy(dw[t0 : t0 + BT, ihv, 0:K], dw_s)
+            T.copy(du[t0 : t0 + BT, ihv, 0:V], du_s)
+            T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
+            T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
+            T.copy(t[ic, ihv, 0:BT, 0:BT], t_s)
+            halves(t_s, th_s, tl_s)
+            # dT = (dw k^T) Diag(s) + (du v^T) Diag(beta), exact products
+            T.clear(acc_c)
+            T.gemm(dw_s, k_s, acc_c, transpose_B=True)
+            T.clear(acc_c2)
+            T.gemm(du_s, v_s, acc_c2, transpose_B=True)
+            for a, b in T.Parallel(BT, BT):
+                acc_c[a, b] = acc_c[a, b] * b_s[b] * T.exp(g_s[b]) + acc_c2[a, b] * b_s[b]
+            halves(acc_c, xh_s, xl_s)
+            # X = dT T^T
+            T.clear(acc_c)
+            T.gemm(xh_s, th_s, acc_c, transpose_B=True)
+            T.gemm(xh_s, tl_s, acc_c, transpose_B=True)
+            T.gemm(xl_s, th_s, acc_c, transpose_B=True)
+            halves(acc_c, xh_s, xl_s)
+            # dA = -T^T X, strictly lower
+            T.clear(acc_c)
+            T.gemm(th_s, xh_s, acc_c, transpose_A=True)
+            T.gemm(th_s, xl_s, acc_c, transpose_A=True)
+            T.gemm(tl_s, xh_s, acc_c, transpose_A=True)
+            T.clear(acc_kk)
+            T.gemm(k_s, k_s, acc_kk, transpose_B=True)
+            for a, b in T.Parallel(BT, BT):  # Q = dA * E * KK^T
+                acc_c2[a, b] = T.if_then_else(a > b, -acc_c[a, b] * T.exp(g_s[a] - g_s[b]) * acc_kk[a, b], 0.0)
+            T.reduce_sum(acc_c2, row, dim=1)
+            for a in T.Parallel(BT):
+                rb_s[a] = row[a]
+            for a, b in T.Parallel(BT, BT):  # P = Q beta_i
+                acc_c2[a, b] = acc_c2[a, b] * b_s[a]
+            T.reduce_sum(acc_c2, row, dim=1)
+            T.copy(acc_c2, t_s)  # P, transposed through shared memory for its column sums
+            for a, b in T.Parallel(BT, BT):
+                acc_c2[a, b] = t_s[b, a]
+            T.reduce_sum(acc_c2, col, dim=1)
+            for a in T.Parallel(BT):
+                rg_s[a] = row[a] - col[a]
+            for a, b in T.Parallel(BT, BT):  # dkk = dA * E * beta_i
+                acc_c[a, b] = T.if_then_else(a > b, -acc_c[a, b] * T.exp(g_s[a] - g_s[b]) * b_s[a], 0.0)
+            halves(acc_c, xh_s, xl_s)
+            # dvb = T^T du; dv = dvb beta
+            T.clear(acc_v)
+            T.gemm(th_s, du_s, acc_v, transpose_A=True)
+            T.gemm(tl_s, du_s, acc_v, transpose_A=True)
+            for a, b in T.Parallel(BT, V):
+                acc_v[a, b] = acc_v[a, b] * T.cast(v_s[a, b], acc)
+            T.reduce_sum(acc_v, vrow, dim=1)
+            for a in T.Parallel(BT):
+                rv_s[a] = vrow[a]
+            T.clear(acc_v)
+            T.gemm(th_s, du_s, acc_v, transpose_A=True)
+            T.gemm(tl_s, du_s, acc_v, transpose_A=True)
+            for a, b in T.Parallel(BT, V):
+                acc_v[a, b] = acc_v[a, b] * b_s[a]
+            T.copy(acc_v, dv[t0 : t0 + BT, ihv, 0:V])
+            # dkb = T^T dw; dk = dkb s + dkk k + dkk^T k
+            T.clear(acc_k)
+            T.gemm(th_s, dw_s, acc_k, transpose_A=True)
+            T.gemm(tl_s, dw_s, acc_k, transpose_A=True)
+            for a, b in T.Parallel(BT, K):
+                acc_k2[a, b] = acc_k[a, b] * T.cast(k_s[a, b], acc)
+            T.reduce_sum(acc_k2, krow, dim=1)
+            for a in T.Parallel(BT):
+                dbeta[t0 + a, ihv] = T.exp(g_s[a]) * krow[a] + rv_s[a] + rb_s[a]
+                dg[t0 + a, ihv] = b_s[a] * T.exp(g_s[a]) * krow[a] + rg_s[a]
+            for a, b in T.Parallel(BT, K):
+                acc_k[a, b] = acc_k[a, b] * b_s[a] * T.exp(g_s[a])
+            T.gemm(xh_s, k_s, acc_k)
+            T.gemm(xl_s, k_s, acc_k)
+            T.gemm(xh_s, k_s, acc_k, transpose_A=True)
+            T.gemm(xl_s, k_s, acc_k, transpose_A=True)
+            T.copy(acc_k, dk[t0 : t0 + BT, ihv, 0:K])
+
+    return main
