@@ -83,9 +83,12 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dh_bk64", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("BK", 64),)),
     ),
-    ("delta", "fwd", "bf16", 128): (  # the forward substitution split over 4 / 8 threads per column
+    ("delta", "fwd", "bf16", 128): (  # the WY inverse: 4 / 8 threads per column, by blocks; T stored without TMA
         Program(name="x_wy256", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 256),)),
         Program(name="x_wy512", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 512),)),
+        Program(name="x_wy_blocked", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", True),)),
+        Program(name="x_wy_t_plain", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
+                config=(("store_t", True), ("tma_t", False))),
     ),
 }
 

@@ -133,11 +133,12 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
-    if (op, name) == ("delta", "wy"):
+    if op == "delta" and name in ("wy", "wy_t"):
         k = x(L, H, D)
         k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
-        return (like(k), like(v)), (k, v, G, beta), {}
+        t = (jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32),) if name == "wy_t" else ()
+        return (like(k), like(v), *t), (k, v, G, beta), {}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")
 
 

@@ -19,12 +19,52 @@ give `T = I`, `w = u = 0`).
 import tilelang.language as T
 
 
-def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False):
+def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
+                   blocked: bool = False, tma_t: bool = True):
+    """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
+    one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row. `tma_t`: store
+    T with TMA (which swizzles the shared buffer the substitution walks). Both experiments."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
     parts = threads // BT
     span = BT // parts
+    NB = 16  # blocked: block size; one thread per (diagonal block, half of j, column)
+    assert not blocked or (BT == 64 and threads == 128), "the blocked inverse is written for BT = 64, 128 threads"
+
+    @T.macro
+    def invert_blocked(m_s, s, bpart_s, s_s):
+        tx = T.get_thread_binding()
+        bb, pp, cc = tx // 32, (tx // NB) % 2, tx % NB
+        o = bb * NB
+        for i in T.serial(1, NB):
+            s[0] = 0.0
+            for jj in T.serial(T.max(T.min(i - pp * 8, 8), 0)):
+                s[0] += m_s[o + i, o + pp * 8 + jj] * m_s[o + pp * 8 + jj, o + cc]
+            bpart_s[bb, pp, cc] = s[0]
+            T.sync_threads()
+            if pp == 0:
+                if cc < i:
+                    m_s[o + i, o + cc] = -(bpart_s[bb, 0, cc] + bpart_s[bb, 1, cc])
+            T.sync_threads()
+        for ib in T.serial(1, BT // NB):
+            r0 = ib * NB
+            for e in T.serial(NB * BT // threads):  # S = sum_K A_IK T_KJ for the strip left of block I
+                r, col = (e * threads + tx) // BT, (e * threads + tx) % BT
+                if col < r0:
+                    s[0] = 0.0
+                    for x in T.serial(r0 - (col // NB) * NB):
+                        s[0] += m_s[r0 + r, (col // NB) * NB + x] * m_s[(col // NB) * NB + x, col]
+                    s_s[r, col] = s[0]
+            T.sync_threads()
+            for e in T.serial(NB * BT // threads):  # T_IJ = -T_II S
+                r, col = (e * threads + tx) // BT, (e * threads + tx) % BT
+                if col < r0:
+                    s[0] = 0.0
+                    for mm in T.serial(r + 1):
+                        s[0] += m_s[r0 + r, r0 + mm] * s_s[mm, col]
+                    m_s[r0 + r, col] = -s[0]
+            T.sync_threads()
 
     @T.macro
     def split(m_s, coef, hi_s, lo_s):
@@ -61,22 +101,27 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 m_s[a, b] = T.if_then_else(
                     a > b, acc_a[a, b] * b_s[a] * T.exp(g_s[a] - g_s[b]), T.if_then_else(a == b, 1.0, 0.0)
                 )
-            # forward substitution, T[i, c] = -sum_{j < i} A[i, j] T[j, c] for c < i (T[j, j] = 1):
-            # thread (part p, column c) sums its span of j, the spans are added through part_s
-            tx = T.get_thread_binding()
-            c, p = tx % BT, tx // BT
-            for i in T.serial(1, BT):
-                s[0] = 0.0
-                for jj in T.serial(T.max(T.min(i - p * span, span), 0)):
-                    s[0] += m_s[i, p * span + jj] * m_s[p * span + jj, c]
-                part_s[p, c] = s[0]
-                T.sync_threads()
-                if tx < i:
+            if blocked:
+                bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
+                s_s = T.alloc_shared((NB, BT), acc)
+                invert_blocked(m_s, s, bpart_s, s_s)
+            else:
+                # forward substitution, T[i, c] = -sum_{j < i} A[i, j] T[j, c] for c < i (T[j, j] = 1):
+                # thread (part p, column c) sums its span of j, the spans are added through part_s
+                tx = T.get_thread_binding()
+                c, p = tx % BT, tx // BT
+                for i in T.serial(1, BT):
                     s[0] = 0.0
-                    for q in T.serial(parts):
-                        s[0] += part_s[q, tx]
-                    m_s[i, tx] = -s[0]
-                T.sync_threads()  # row i is read by the next step
+                    for jj in T.serial(T.max(T.min(i - p * span, span), 0)):
+                        s[0] += m_s[i, p * span + jj] * m_s[p * span + jj, c]
+                    part_s[p, c] = s[0]
+                    T.sync_threads()
+                    if tx < i:
+                        s[0] = 0.0
+                        for q in T.serial(parts):
+                            s[0] += part_s[q, tx]
+                        m_s[i, tx] = -s[0]
+                    T.sync_threads()  # row i is read by the next step
             for a in T.Parallel(BT):
                 c_s[a] = b_s[a] * T.exp(g_s[a])
             split(m_s, c_s, hi_s, lo_s)
@@ -90,7 +135,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             T.gemm(lo_s, v_s, acc_u)
             T.copy(acc_u, u[t0 : t0 + BT, ihv, 0:V])
             if store_t:  # last, so that waiting for the store holds up nothing else
-                T.copy(m_s, t[ic, ihv, 0:BT, 0:BT])
+                T.copy(m_s, t[ic, ihv, 0:BT, 0:BT], disable_tma=not tma_t)
 
     if store_t:
 
