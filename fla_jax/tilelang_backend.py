@@ -5,8 +5,8 @@ Built so far: simple GLA (`kernels/simple_gla/`): forward (one pass, states kept
 gradient it also stores the state before each chunk) and backward (reverse state-gradient pass, one
 fused dq/dk/dv/dg consumer), bf16/fp16 inputs, K = V in {64, 128, 256}, dense batches and
 `cu_seqlens`. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
-reverse state-gradient pass as kernels, the backward's chunk-parallel VJPs in XLA (or, with
-`DELTA_FUSED_BWD`, not yet run on a GPU, the per-chunk part by simple GLA's consumer kernel).
+reverse state-gradient pass as kernels, the backward's chunk-parallel VJPs in XLA (or, with the
+switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`, not yet run on a GPU, by two more kernels).
 Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
 """
 
@@ -170,7 +170,8 @@ def _like(x, dtype=None, heads=None) -> jax.ShapeDtypeStruct:
 def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     """`(o, ht)`, or with `store_h` `(o, h, *wy, ht)`: h `[B, NT, HV, K, V]`, the state before each
     chunk, and for the delta rules wy = the WY preparation's `w, u` (rows like v) and `T`
-    (`[B, NT, HV, C, C]`), and `v_new` (rows like v), for the backward. `arrays`: the token arrays, h0, the varlen tables."""
+    (`[B, NT, HV, C, C]`) and `v_new` (rows like v), for the backward. `arrays`: the token arrays,
+    h0, the varlen tables."""
     n = len(_token_layouts(p))
     tokens, h0, tables = arrays[:n], arrays[n], arrays[n + 1 :]
     C = p.chunk_size
@@ -186,7 +187,8 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         wy = _call(_targets(p, "fwd", K, V)["wy_t" if store_h else "wy"], (_like(kf, dt, HV), _like(vf), *tm),
                    kf, vf, Gf, flat[4])
         ins, extra = (qf, kf, *wy[:2]), (_like(vf),)  # extra result: v_new
-        wy = (wy[0].reshape(B, Lr, HV, K), wy[1].reshape(B, Lr, HV, V), wy[2].reshape(B, NT // B, HV, C, C)) if store_h else ()
+        rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
+        wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
     else:
         ins, extra = (qf, kf, vf), ()
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
@@ -225,24 +227,24 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
     # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
     wd, ud, Tm, vn = (x.reshape(-1, *x.shape[2:]) for x in wy)
+    H, HV = qf.shape[1], vf.shape[1]
+    group_sum = lambda x: x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)  # value heads -> q/k heads
     dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, then dw = -dv_new h^T
-        H, HV = qf.shape[1], vf.shape[1]
         heads = lambda x: _like(x, None, HV)
         dq, dk, du, dG = _call(bwd["dqkvg"], (heads(qf), heads(kf), _like(vf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, scale=s)
         NT = hf.shape[0]
         dw = -jnp.einsum("nchv,nhkv->nchk", du.reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32)
         dw, du = dw.reshape(-1, HV, K), f32(du)
-        dq, dk = (f32(x).reshape(-1, H, HV // H, K).sum(axis=2) for x in (dq, dk))
+        dq, dk = group_sum(dq), group_sum(dk)
     else:
         _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
         dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
     if wy_kernel:
-        H, HV = kf.shape[1], vf.shape[1]
         outs = (_like(kf, jnp.float32, HV), _like(vf, jnp.float32), _like(Gf), _like(Gf))
         dk2, dv, dG2, dbeta = _call(bwd["wy_bwd"], outs, kf, vf, Gf, flat[4], Tm, dw.astype(kf.dtype), du.astype(kf.dtype))
-        dk2 = dk2.reshape(-1, H, HV // H, K).sum(axis=2)
+        dk2 = group_sum(dk2)
     else:
         dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, du)
     return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
