@@ -19,6 +19,22 @@ give `T = I`, `w = u = 0`).
 import tilelang.language as T
 
 
+def _hi_lo(BT: int, dtype: str, *, scaled: bool):
+    """A macro `split(x, coef, hi_s, lo_s)`: `hi + lo = x` (with `scaled`, `x Diag(coef)`, a column
+    scaling) for a float32 `[BT, BT]` matrix, as two input-dtype matrices (about 16 mantissa bits)
+    that enter the tensor cores as they are."""
+    acc = "float32"
+    entry = (lambda x, coef, a, b: x[a, b] * coef[b]) if scaled else (lambda x, coef, a, b: x[a, b])
+
+    @T.macro
+    def split(x, coef, hi_s, lo_s):
+        for a, b in T.Parallel(BT, BT):
+            hi_s[a, b] = T.cast(entry(x, coef, a, b), dtype)
+            lo_s[a, b] = T.cast(entry(x, coef, a, b) - T.cast(T.cast(entry(x, coef, a, b), dtype), acc), dtype)
+
+    return split
+
+
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
                    blocked: bool = False, tma_t: bool = True):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
@@ -66,12 +82,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                     m_s[r0 + r, col] = -s[0]
             T.sync_threads()
 
-    @T.macro
-    def split(m_s, coef, hi_s, lo_s):
-        """`hi + lo = m_s Diag(coef)` (column scaling), float32 -> two input-dtype matrices."""
-        for a, b in T.Parallel(BT, BT):
-            hi_s[a, b] = T.cast(m_s[a, b] * coef[b], dtype)
-            lo_s[a, b] = T.cast(m_s[a, b] * coef[b] - T.cast(T.cast(m_s[a, b] * coef[b], dtype), acc), dtype)
+    split = _hi_lo(BT, dtype, scaled=True)
 
     @T.macro
     def body(k, v, g, beta, w, u, t):
@@ -182,11 +193,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
 
-    @T.macro
-    def halves(x, hi_s, lo_s):
-        for a, b in T.Parallel(BT, BT):
-            hi_s[a, b] = T.cast(x[a, b], dtype)
-            lo_s[a, b] = T.cast(x[a, b] - T.cast(T.cast(x[a, b], dtype), acc), dtype)
+    split = _hi_lo(BT, dtype, scaled=False)
 
     @T.prim_func
     def main(
@@ -237,7 +244,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
             T.copy(t[ic, ihv, 0:BT, 0:BT], t_s)
-            halves(t_s, th_s, tl_s)
+            split(t_s, None, th_s, tl_s)
             # dT = (dw k^T) Diag(s) + (du v^T) Diag(beta), exact products
             T.clear(acc_c)
             T.gemm(dw_s, k_s, acc_c, transpose_B=True)
@@ -245,13 +252,13 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.gemm(du_s, v_s, acc_c2, transpose_B=True)
             for a, b in T.Parallel(BT, BT):
                 acc_c[a, b] = acc_c[a, b] * b_s[b] * T.exp(g_s[b]) + acc_c2[a, b] * b_s[b]
-            halves(acc_c, xh_s, xl_s)
+            split(acc_c, None, xh_s, xl_s)
             # X = dT T^T
             T.clear(acc_c)
             T.gemm(xh_s, th_s, acc_c, transpose_B=True)
             T.gemm(xh_s, tl_s, acc_c, transpose_B=True)
             T.gemm(xl_s, th_s, acc_c, transpose_B=True)
-            halves(acc_c, xh_s, xl_s)
+            split(acc_c, None, xh_s, xl_s)
             # dA = -T^T X, strictly lower
             T.clear(acc_c)
             T.gemm(th_s, xh_s, acc_c, transpose_A=True)
@@ -275,7 +282,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 rg_s[a] = row[a] - col[a]
             for a, b in T.Parallel(BT, BT):  # dkk = dA * E * beta_i
                 acc_c[a, b] = T.if_then_else(a > b, -acc_c[a, b] * T.exp(g_s[a] - g_s[b]) * b_s[a], 0.0)
-            halves(acc_c, xh_s, xl_s)
+            split(acc_c, None, xh_s, xl_s)
             # dvb = T^T du; dv = dvb beta
             T.clear(acc_v)
             T.gemm(th_s, du_s, acc_v, transpose_A=True)
