@@ -70,8 +70,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
     for direction in ("fwd", "bwd"):
         variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.programs:
-            kind = next(k for k in sorted(calls, key=len, reverse=True) if prog.name.removeprefix("x_").startswith(k))
-            results, args, attrs = calls[kind]
+            results, args, attrs = calls[prog.kind]
             fn = jax.jit(lambda *a, t=variant.target(prog), r=results, kw=attrs: tb._call(t, r, *a, **kw))
             yield f"{direction}:{prog.name}", fn, args
 

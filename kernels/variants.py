@@ -21,6 +21,12 @@ class Program:
     builder: str
     outputs: tuple[str, ...]
     config: tuple[tuple[str, int | bool], ...] = ()  # kernel config overrides (block sizes, threads, stages)
+    of: str = ""  # an experiment: the dispatched program it stands in for (same inputs and outputs)
+
+    @property
+    def kind(self) -> str:
+        """The dispatched program this one computes: its own name, or that of the one it stands in for."""
+        return self.of or self.name
 
     def prim_func(self, variant: "Variant"):
         mod = importlib.import_module(f"kernels.{self.module}")
@@ -81,13 +87,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 # the dispatch never calls them.
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("simple_gla", "bwd", "bf16", 128): (
-        Program(name="x_dh_bk64", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("BK", 64),)),
+        Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("BK", 64),)),
     ),
     ("delta", "fwd", "bf16", 128): (  # the WY inverse: 4 / 8 threads per column, by blocks; T stored without TMA
-        Program(name="x_wy256", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 256),)),
-        Program(name="x_wy512", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 512),)),
-        Program(name="x_wy_blocked", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", True),)),
-        Program(name="x_wy_t_plain", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
+        Program(name="x_wy256", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 256),)),
+        Program(name="x_wy512", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 512),)),
+        Program(name="x_wy_blocked", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", True),)),
+        Program(name="x_wy_t_plain", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("tma_t", False))),
     ),
 }
