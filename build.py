@@ -59,10 +59,13 @@ def cuda_home() -> Path | None:
 
 
 def content_key(variant, program) -> str:
-    """What a cubin and its launch description depend on: the kernel sources, the lowering and
-    compile steps of this file, the toolchain flags (handler codegen is redone on every build)."""
+    """What a cubin and its launch description depend on: the program's module and the shared
+    kernel sources beside it (`kernels/*.py`: program modules import only from there), the lowering
+    and compile steps of this file, the toolchain flags (handler codegen is redone on every build).
+    So a change to one kernel module rebuilds that module's programs only."""
     h = hashlib.sha256()
-    for f in sorted((ROOT / "kernels").rglob("*.py")):
+    module = ROOT / "kernels" / (program.module.replace(".", "/") + ".py")
+    for f in (*sorted((ROOT / "kernels").glob("*.py")), module):
         h.update(f.read_bytes())
     for fn in (_cexpr, lower_one, compile_cubin):
         h.update(inspect.getsource(fn).encode())

@@ -171,13 +171,13 @@ def main(argv=None):
     ap.add_argument("--impls", default="fla_jax:xla,jla:mosaic_gpu,fla")
     ap.add_argument("--lift-fla-check", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--delta-bwd-kernels", action="store_true",
-                    help="tilelang delta rules: the backward's parallel parts by kernels (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL)")
+    ap.add_argument("--delta-xla-vjps", action="store_true",
+                    help="tilelang delta rules: the backward's parallel parts as XLA VJPs (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL off)")
     args = ap.parse_args(argv)
-    if args.delta_bwd_kernels:
+    if args.delta_xla_vjps:
         from fla_jax import tilelang_backend
 
-        tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = True
+        tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = False
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     impls = args.impls.split(",")

@@ -19,8 +19,8 @@ from fla_jax._problem import Problem
 
 
 def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
-    """(name, jitted call, args) for every program of the simple GLA (`op="simple_gla"`) or delta
-    rule (`op="delta"`) forward and backward variants (experimental configs included), on the flat
+    """(name, jitted call, args) for every program of the simple GLA (`op="simple_gla"`), GLA
+    (`"gla"`) or delta rule (`op="delta"`) forward and backward variants (experimental configs included), on the flat
     chunk layout the backend hands them (B sequences of T tokens); for the delta rule also the two
     XLA parts of its backward (the per-chunk VJP and the WY VJP)."""
     NT = B * T // 64
@@ -34,7 +34,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
     final = jax.ShapeDtypeStruct(h0.shape, jnp.float32)
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     s = np.float32(D**-0.5)
-    p = Problem(op="simple_gla" if op == "simple_gla" else "delta_rule", delta=op == "delta", chunk_size=64, dtype=dtype)
+    p = Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
     run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: tb._call(tb._targets(p, direction, D, D)[name], results, *b, **kw))(*a)
     if op == "simple_gla":
         h = run("fwd", "fused_h", (like(v), state, final), q, k, v, G, h0, cstart, ccount, scale=s)[1]
@@ -42,7 +42,20 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
             "fused_h": ((like(v), state, final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, do, G, h0, cstart, ccount), {"scale": s}),
+            "dh_bk64": ((state, final), (q, do, G, h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, h), {"scale": s}),
+        }
+    elif op == "gla":  # gates per key channel
+        Gk = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H, D))) * 0.1, jnp.float32), 1).reshape(B * T, H, D)
+        am = jax.ShapeDtypeStruct((NT, H, 64, 64), dtype)
+        a = run("fwd", "a", am, q, k, Gk, scale=s)
+        h = run("fwd", "fused_h", (like(v), state, final), q, k, v, Gk, a, h0, cstart, ccount, scale=s)[1]
+        calls = {
+            "a": (am, (q, k, Gk), {"scale": s}),
+            "fused_h": ((like(v), state, final), (q, k, v, Gk, a, h0, cstart, ccount), {"scale": s}),
+            "fused": ((like(v), final), (q, k, v, Gk, a, h0, cstart, ccount), {"scale": s}),
+            "dh": ((state, final), (q, do, Gk, h0, cstart, ccount), {"scale": s}),
+            "dqkvg": ((like(q), like(k), like(v), like(Gk)), (q, k, v, Gk, a, h, do, h), {"scale": s}),
         }
     else:
         beta = jnp.asarray(rng.uniform(size=(B * T, H)), jnp.float32)
@@ -91,7 +104,7 @@ def _with_precision(fn, precision):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="4x4096x16x128,2x8192x16x128,4x4096x8x256,8x2048x16x64")
-    ap.add_argument("--ops", default="simple_gla", help="comma-separated: simple_gla, delta")
+    ap.add_argument("--ops", default="simple_gla", help="comma-separated: simple_gla, gla, delta")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = []

@@ -4,9 +4,11 @@
 Built so far: simple GLA (`kernels/simple_gla/`): forward (one pass, states kept on chip; under a
 gradient it also stores the state before each chunk) and backward (reverse state-gradient pass, one
 fused dq/dk/dv/dg consumer), bf16/fp16 inputs, K = V in {64, 128, 256}, dense batches and
-`cu_seqlens`. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
-reverse state-gradient pass as kernels, the backward's chunk-parallel VJPs in XLA (or, with the
-switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`, not yet run on a GPU, by two more kernels).
+`cu_seqlens`. GLA (`kernels/gla/`): the intra-chunk matrix A by sub-chunks, a forward state pass
+reading it, and the backward as simple GLA's (reverse state-gradient pass, one fused consumer), with
+gates per key channel. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
+reverse state-gradient pass as kernels, and the backward's chunk-parallel parts by two more kernels
+(switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`; switched off, JAX VJPs do them).
 Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
 """
 
@@ -38,17 +40,22 @@ except ImportError:  # an installed wheel without the kernels package: nothing i
 
 
 # The delta-rule backward's per-chunk part by the simple GLA consumer kernel on v_new
-# (`chunk_bwd_dqkvg(delta=True)`) instead of JAX's VJP of `_delta_local`: built, checked on CPU
-# with emulated kernels, not yet run on a GPU (tests/test_tilelang.py switches it on there).
-DELTA_FUSED_BWD = False
+# (`chunk_bwd_dqkvg(delta=True)`) instead of JAX's VJP of `_delta_local` (2.84 ms in XLA against
+# 0.58 for the kernel at 4,4096,16,128 bf16 on an H200). Tests run both settings.
+DELTA_FUSED_BWD = True
 
 # The WY preparation's VJP by a kernel (`kernels/delta/wy.py` `chunk_delta_wy_bwd`) instead of
-# `_wy_vjp` in XLA: built, checked on CPU with emulated kernels, not yet run on a GPU.
-DELTA_WY_BWD_KERNEL = False
+# `_wy_vjp` in XLA (1.71 ms against 0.54 at the same shape). Tests run both settings.
+DELTA_WY_BWD_KERNEL = True
 
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
 VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+
+# The simple GLA state-gradient pass splits K = 128 in two (`dh_bk64`, twice the programs) when
+# sequences x heads x V blocks is at most this, half of an H100/H200's 132 SMs: 0.259 against
+# 0.305 ms at 2,8192,16,128 bf16 (64 programs), 0.258 against 0.184 at 4,4096,16,128 (128).
+SPLIT_K_PROGRAMS = 66
 
 # Test hook: when True, every kernel writes into NaN-filled buffers (see `_call`), so an output
 # element that a kernel leaves unwritten shows up as NaN.
@@ -95,8 +102,6 @@ def status() -> tuple[bool, str | None]:
 def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2norm: bool) -> str | None:
     """Why the kernels cannot take this call, or None when they can (`cu_seqlens` is supported)."""
     del varlen, grouped, l2norm  # grouped heads and l2 normalisation exist only for the delta rules
-    if p.op == "gla":
-        return f"no TileLang kernels for {p.op} yet"
     if p.chunk_size != 64:
         return f"the kernels use chunk_size 64, got {p.chunk_size}"
     op = "delta" if p.delta else p.op
@@ -122,10 +127,10 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     if l2norm:
         q, k = (l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
     layout = _layout.make_layout(T, cu_seqlens, C)
-    g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)
+    g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)  # GLA: [B, T, H, K]
     beta = beta.astype(jnp.float32) if p.delta else None
     q, k, v, g32, beta = (_layout.pack(x, layout) for x in (q, k, v, g32, beta))
-    G = jnp.cumsum(g32.reshape(g32.shape[0], -1, C, g32.shape[2]), axis=2).reshape(g32.shape)
+    G = jnp.cumsum(g32.reshape(g32.shape[0], -1, C, *g32.shape[2:]), axis=2).reshape(g32.shape)
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
     tokens = (q, k, v, G) + ((beta,) if p.delta else ())
     o, ht = _op(p, float(scale), *tokens, h0.astype(jnp.float32), *tables)
@@ -135,13 +140,14 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
 # Per-token arrays handed to the kernels' Python side (the delta rules add beta), with the axis
 # letters of `fla_jax._partition`.
 def _token_layouts(p: Problem) -> tuple[str, ...]:
-    return ("bthk", "bthk", "bthv", "bth") + (("bth",) if p.delta else ())
+    return ("bthk", "bthk", "bthv", "bthk" if p.op == "gla" else "bth") + (("bth",) if p.delta else ())
 
 
-def _wy_layouts(p: Problem) -> tuple[str, ...]:
-    """What the delta rules' forward stores besides h: the WY preparation's w, u (per token) and
-    T (per chunk), and v_new (per token)."""
-    return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ()
+def _stored_layouts(p: Problem) -> tuple[str, ...]:
+    """What the forward stores for the backward besides h: for the delta rules the WY
+    preparation's w, u (per token) and T (per chunk), and v_new (per token); for GLA the
+    intra-chunk matrix A (per chunk)."""
+    return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ("bchkv",) if p.op == "gla" else ()
 
 
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
@@ -169,9 +175,9 @@ def _like(x, dtype=None, heads=None) -> jax.ShapeDtypeStruct:
 
 def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     """`(o, ht)`, or with `store_h` `(o, h, *wy, ht)`: h `[B, NT, HV, K, V]`, the state before each
-    chunk, and for the delta rules wy = the WY preparation's `w, u` (rows like v) and `T`
-    (`[B, NT, HV, C, C]`) and `v_new` (rows like v), for the backward. `arrays`: the token arrays,
-    h0, the varlen tables."""
+    chunk, and for the backward wy: for the delta rules the WY preparation's `w, u` (rows like v),
+    `T` (`[B, NT, HV, C, C]`) and `v_new` (rows like v), for GLA the intra-chunk matrix A
+    (`[B, NT, H, C, C]`). `arrays`: the token arrays, h0, the varlen tables."""
     n = len(_token_layouts(p))
     tokens, h0, tables = arrays[:n], arrays[n], arrays[n + 1 :]
     C = p.chunk_size
@@ -189,25 +195,30 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         ins, extra = (qf, kf, *wy[:2]), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
+    elif p.op == "gla":  # the intra-chunk matrix, read by the state pass (and kept for the backward)
+        a = _call(_targets(p, "fwd", K, V)["a"], jax.ShapeDtypeStruct((NT, HV, C, C), dt), qf, kf, Gf, scale=np.float32(scale))
+        ins, extra = (qf, kf, vf, Gf, a), ()
+        wy = (a.reshape(B, NT // B, *a.shape[1:]),) if store_h else ()
     else:
         ins, extra = (qf, kf, vf), ()
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
     out = _call(
         _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
-        (_like(vf), *extra, *h, _like(h0, jnp.float32)), *ins, Gf, h0, cstart, ccount, scale=np.float32(scale),
+        (_like(vf), *extra, *h, _like(h0, jnp.float32)), *ins, *(() if p.op == "gla" else (Gf,)), h0, cstart, ccount,
+        scale=np.float32(scale),
     )
     h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
-    if wy:  # and v_new, for the backward's consumer kernel
+    if p.delta and wy:  # and v_new, for the backward's consumer kernel
         wy = (*wy, out[1].reshape(B, Lr, HV, V))
     return (out[0].reshape(B, Lr, HV, V), *h, *wy, out[-1])
 
 
 def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     """Gradients of the token arrays and of h0, from (token arrays, h, *wy, tables, do, dht);
-    wy as `_forward` stores it (delta rules only). `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL."""
+    wy as `_forward` stores it (delta rules and GLA). `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL."""
     fused, wy_kernel = switches
     n = len(_token_layouts(p))
-    m = n + 1 + len(_wy_layouts(p))
+    m = n + 1 + len(_stored_layouts(p))
     tokens, h, wy, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-2], arrays[-2:]
     C = p.chunk_size
     B, Lr, _, K = tokens[0].shape
@@ -220,9 +231,11 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     bwd = _targets(p, "bwd", K, V)
     dht = dht.astype(jnp.float32)
     rows = lambda x, dt: x.reshape(B, Lr, *x.shape[1:]).astype(dt)
-    if not p.delta:
-        dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, dof, Gf, dht, cstart, ccount, scale=s)
-        grads = _call(bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, hf, dof, dh, scale=s)
+    if not p.delta:  # simple GLA; GLA with the stored A
+        split = "dh_bk64" in bwd and cstart.shape[0] * qf.shape[1] * (V // 64) <= SPLIT_K_PROGRAMS
+        dh, dh0 = _call(bwd["dh_bk64" if split else "dh"], (_like(hf), _like(dht)), qf, dof, Gf, dht, cstart, ccount, scale=s)
+        a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
+        grads = _call(bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
         return (*(rows(g, g.dtype) for g in grads), dh0)
     # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
     # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
@@ -265,11 +278,11 @@ def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, sw
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
     tokens = _token_layouts(p)
     if direction == "bwd":
-        ins, outs = tokens + ("bchkv",) + _wy_layouts(p) + tables + ("bthv", state), tokens + (state,)
+        ins, outs = tokens + ("bchkv",) + _stored_layouts(p) + tables + ("bthv", state), tokens + (state,)
         fn = functools.partial(_backward, p, scale, switches)
     else:
         ins = tokens + (state,) + tables
-        outs = ("bthv", "bchkv") + _wy_layouts(p) + (state,) if direction == "fwd_h" else ("bthv", state)
+        outs = ("bthv", "bchkv") + _stored_layouts(p) + (state,) if direction == "fwd_h" else ("bthv", state)
         fn = functools.partial(_forward, p, scale, direction == "fwd_h")
     return _partition.batch_head_partitioned(fn, ins, outs)
 

@@ -22,6 +22,7 @@ class Program:
     outputs: tuple[str, ...]
     config: tuple[tuple[str, int | bool], ...] = ()  # kernel config overrides (block sizes, threads, stages)
     of: str = ""  # an experiment: the dispatched program it stands in for (same inputs and outputs)
+    dims: tuple[int, ...] = ()  # the head dims K it is built for (all when empty)
 
     @property
     def kind(self) -> str:
@@ -49,7 +50,8 @@ class Variant:
 
     @property
     def programs(self) -> tuple[Program, ...]:
-        return PROGRAMS[(self.op, self.direction)] + EXPERIMENTS.get((self.op, self.direction, self.dtype, self.head_k), ())
+        progs = PROGRAMS[(self.op, self.direction)] + EXPERIMENTS.get((self.op, self.direction, self.dtype, self.head_k), ())
+        return tuple(p for p in progs if not p.dims or self.head_k in p.dims)
 
     def target(self, program: Program) -> str:
         """The FFI target name of one program of this variant."""
@@ -70,31 +72,41 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ),
     ("delta", "bwd"): (
         Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0")),
-        # the simple GLA consumer on v_new (dv is the gradient of v_new): dispatched only with
-        # DELTA_FUSED_BWD, which has not yet run on a GPU
+        # the simple GLA consumer on v_new (dv is the gradient of v_new): with DELTA_FUSED_BWD (the default)
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True),)),
-        # the WY preparation's VJP given T: dispatched only with DELTA_WY_BWD_KERNEL (not yet run on a GPU)
+        # the WY preparation's VJP given T: with DELTA_WY_BWD_KERNEL (the default)
         Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
+        # K split in two: twice the programs, for calls whose sequences x heads x V blocks leave SMs idle
+        Program(name="dh_bk64", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("BK", 64),),
+                dims=(128,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
+    ),
+    ("gla", "fwd"): (
+        Program(name="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",)),
+        Program(name="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht")),
+        Program(name="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
+    ),
+    ("gla", "bwd"): (
+        Program(name="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0")),
+        Program(name="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
 }
 
 # Alternative kernel configs built for one variant only, for benchmarks/bench_kernels.py to compare;
 # the dispatch never calls them.
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
-    ("simple_gla", "bwd", "bf16", 128): (
-        Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("BK", 64),)),
+    ("gla", "fwd", "bf16", 128): (  # the intra-chunk matrix: two warpgroups; sub-chunks of 8 (half the exponentials, 7 GEMMs)
+        Program(name="x_a_t256", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",), config=(("threads", 256),)),
+        Program(name="x_a_sub8", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",), config=(("sub", 8),)),
     ),
-    ("delta", "fwd", "bf16", 128): (  # the WY inverse: 4 / 8 threads per column, by blocks; T stored without TMA
-        Program(name="x_wy256", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 256),)),
-        Program(name="x_wy512", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("threads", 512),)),
-        Program(name="x_wy_blocked", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", True),)),
-        Program(name="x_wy_t_plain", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
-                config=(("store_t", True), ("tma_t", False))),
+    ("delta", "fwd", "bf16", 128): (  # the WY inverse row by row (the default before the blocked one); T stored by TMA
+        Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),
+        Program(name="x_wy_t_tma", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
+                config=(("store_t", True), ("tma_t", True))),
     ),
 }
 

@@ -1,4 +1,4 @@
-"""Pure-JAX stand-ins for the TileLang programs (kernels/simple_gla/*.py, kernels/delta/*.py),
+"""Pure-JAX stand-ins for the TileLang programs (kernels/simple_gla/*.py, kernels/gla/*.py, kernels/delta/*.py),
 with the same inputs and outputs, including NaN where a kernel writes nothing (chunks past the
 last sequence): they let CPU tests drive the tilelang backend's Python glue (chunk layout and
 tables, cumulative gates, WY preparation, custom_vjp, partitioning). Written independently of
@@ -48,6 +48,8 @@ def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0):
     b = do, s0 = dht): state gradients after each chunk and before each sequence."""
     ac, bc, Gc = _chunks(a)[0], _chunks(b)[0], _chunks(G)[0]  # [NT, C, H, .]
     NT = ac.shape[0]
+    per_channel = Gc.ndim == 4  # GLA: G [NT, C, H, K]
+    col = (lambda e: e) if per_channel else (lambda e: e[..., None])
     seq, first, last = _ownership(NT, cstart, ccount)
     enter = last if reverse else first
 
@@ -56,10 +58,10 @@ def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0):
         glast = g[-1]
         S = jnp.where(enter[n], s0[seq[n]].astype(f32), S)
         if reverse:
-            upd = scale * jnp.einsum("chk,chv->hkv", ac[n] * jnp.exp(g)[..., None], bc[n])
+            upd = scale * jnp.einsum("chk,chv->hkv", ac[n] * col(jnp.exp(g)), bc[n])
         else:
-            upd = jnp.einsum("chk,chv->hkv", ac[n] * jnp.exp(glast[None] - g)[..., None], bc[n])
-        out = jnp.exp(glast)[:, None, None] * S + upd
+            upd = jnp.einsum("chk,chv->hkv", ac[n] * col(jnp.exp(glast[None] - g)), bc[n])
+        out = (jnp.exp(glast)[..., None] if per_channel else jnp.exp(glast)[:, None, None]) * S + upd
         return out, (S, out)
 
     order = jnp.arange(NT)[::-1] if reverse else jnp.arange(NT)
@@ -117,7 +119,59 @@ def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale):
     return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype), flat(dG, f32)
 
 
-PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg}
+PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dh_bk64": bwd_dh, "_dqkvg": bwd_dqkvg}
+
+
+def _gla_decay(Gc):
+    """`exp(G_i - G_j)` for `j <= i`, 0 above: `[B, N, i, j, H, K]`."""
+    mask = jnp.tril(jnp.ones((C, C), bool))[None, None, :, :, None, None]
+    diff = Gc[:, :, :, None] - Gc[:, :, None, :]
+    return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+
+
+def gla_a(q, k, G, *, scale):
+    """kernels/gla/fwd.py `chunk_gla_a`: `A [NT, H, C, C]` in the input dtype."""
+    qc, kc, Gc = _chunks(q), _chunks(k), _chunks(G)
+    A = scale * jnp.einsum("bnihk,bnjhk,bnijhk->bnhij", qc, kc, _gla_decay(Gc))
+    return A[0].astype(q.dtype)
+
+
+def gla_fwd_fused_h(q, k, v, G, a, h0, cstart, ccount, *, scale):
+    h, ht = _scan_states(k, v, G, h0, cstart, ccount)
+    h = _unwritten(h.astype(q.dtype), cstart, ccount, False)
+    qc, vc, Gc = _chunks(q), _chunks(v), _chunks(G)
+    o = scale * jnp.einsum("bnihk,nhkv->bnihv", qc * jnp.exp(Gc), h.astype(f32))
+    o += jnp.einsum("nhij,bnjhv->bnihv", a.astype(f32), vc)
+    o = o.reshape(q.shape[0], *o.shape[3:]).astype(q.dtype)
+    return _unwritten(o, cstart, ccount, True), h, ht
+
+
+def gla_fwd_fused(q, k, v, G, a, h0, cstart, ccount, *, scale):
+    o, _, ht = gla_fwd_fused_h(q, k, v, G, a, h0, cstart, ccount, scale=scale)
+    return o, ht
+
+
+def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale):
+    """kernels/gla/bwd.py `chunk_gla_bwd_dqkvg`: dq, dk, dv and the per-channel dG."""
+    qc, kc, vc, Gc, doc = (_chunks(x) for x in (q, k, v, G, do))
+    h, dh, A = h.astype(f32)[None], dh.astype(f32)[None], a.astype(f32)[None]
+    glast = Gc[:, :, -1:]  # [B, N, 1, H, K]
+    decay = _gla_decay(Gc)
+    dv = jnp.einsum("bnchk,bnhkv->bnchv", kc * jnp.exp(glast - Gc), dh) + jnp.einsum("bnhij,bnihv->bnjhv", A, doc)
+    mask = jnp.tril(jnp.ones((C, C), bool))[None, None, :, :, None]
+    dA = jnp.where(mask, scale * jnp.einsum("bnihv,bnjhv->bnijh", doc, vc), 0.0)
+    dq_inter = scale * jnp.exp(Gc) * jnp.einsum("bnihv,bnhkv->bnihk", doc, h)
+    dk_inter = jnp.exp(glast - Gc) * jnp.einsum("bnihv,bnhkv->bnihk", vc, dh)
+    dq = dq_inter + jnp.einsum("bnijh,bnjhk,bnijhk->bnihk", dA, kc, decay)
+    dk = dk_inter + jnp.einsum("bnijh,bnihk,bnijhk->bnjhk", dA, qc, decay)
+    dG = qc * dq - kc * dk
+    last = jnp.exp(glast[:, :, 0]) * jnp.sum(h * dh, -1) + jnp.sum(kc * dk_inter, 2)
+    dG = dG.at[:, :, -1].add(last)
+    flat = lambda x, dt: x.reshape(q.shape[0], *x.shape[3:]).astype(dt)
+    return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype), flat(dG, f32)
+
+
+GLA_PROGRAMS = {"_a": gla_a, "_fused": gla_fwd_fused, "_fused_h": gla_fwd_fused_h, "_dh": bwd_dh, "_dqkvg": gla_bwd_dqkvg}
 
 
 def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
@@ -232,7 +286,7 @@ DELTA_PROGRAMS = {"_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh
 
 def call(target, results, *args, **attrs):
     """Drop-in for fla_jax.tilelang_backend._call."""
-    programs = DELTA_PROGRAMS if target.startswith("fla_delta_") else PROGRAMS
+    programs = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)
     fn = next(f for suffix, f in programs.items() if target.endswith(suffix))
     attrs = {k: float(v) for k, v in attrs.items()}
     out = fn(*args, **attrs)

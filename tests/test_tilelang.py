@@ -40,7 +40,8 @@ def test_export_for_cuda_has_the_custom_calls(K, dtype):
     f = lambda q, k, v, g, h0: tilelang_backend.run(p, q, k, v, g, None, h0, None, scale=0.5)
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     fwd_names = [f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_{n}" for n in ("fused", "fused_h")]
-    bwd_names = [f"fla_simple_gla_bwd_{short}_k{K}_v{K}_c64_{n}" for n in ("dh", "dqkvg")]
+    # 2 sequences x 2 heads x 2 V blocks: at K = 128 the state-gradient pass splits K (SPLIT_K_PROGRAMS)
+    bwd_names = [f"fla_simple_gla_bwd_{short}_k{K}_v{K}_c64_{n}" for n in ("dh_bk64" if K == 128 else "dh", "dqkvg")]
     fwd, both = _cuda_custom_calls(f, (x, x, x, g, h0), fwd_names + bwd_names)
     assert fwd == fwd_names[:1]
     assert sorted(both) == sorted(fwd_names[1:] + bwd_names)
@@ -63,13 +64,21 @@ def _cuda_custom_calls(f, args, allowed):
 
 
 GPU_CASES = [
-    Case("simple_gla", 2, 1000, 4, 128, 128, dtype="bfloat16", h0=True),
+    Case("simple_gla", 2, 1000, 4, 128, 128, dtype="bfloat16", h0=True),  # K split in the state-gradient pass
+    Case("simple_gla", 4, 200, 20, 128, 128, dtype="bfloat16", norm=0.1),  # 160 programs: K whole
     Case("simple_gla", 1, 4096, 2, 64, 64, dtype="bfloat16", norm=0.1),
     Case("simple_gla", 2, 63, 2, 256, 256, dtype="float16", h0=True, norm=10.0),
     Case("simple_gla", 1, 300, 3, 128, 128, dtype="bfloat16", gate="g_gamma"),
     Case("simple_gla", 2, 200, 2, 64, 64, dtype="float16", gate="none"),
     Case("simple_gla", 1, 1000, 4, 128, 128, dtype="bfloat16", cu=(0, 0, 300, 301, 640, 1000), h0=True),
     Case("simple_gla", 1, 700, 2, 256, 256, dtype="float16", cu=(0, 64, 64, 700), norm=0.1),
+    # GLA: gates per key channel, strong (0.1), plain and weak (10) decay
+    Case("gla", 2, 1000, 4, 128, 128, dtype="bfloat16", h0=True),
+    Case("gla", 1, 2048, 2, 128, 128, dtype="bfloat16", norm=0.1),
+    Case("gla", 1, 1000, 2, 64, 64, dtype="float16", h0=True, norm=10.0),
+    Case("gla", 2, 130, 2, 256, 256, dtype="bfloat16", h0=True, norm=0.1),
+    Case("gla", 1, 1000, 4, 128, 128, dtype="bfloat16", cu=(0, 0, 300, 301, 640, 1000), h0=True),
+    Case("gla", 1, 700, 2, 256, 256, dtype="float16", cu=(0, 64, 64, 700), norm=10.0),
 ]
 
 
@@ -105,8 +114,7 @@ DELTA_GPU_CASES = [
 def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
     """The delta-rule kernels against float64 under NaN-poisoned outputs, with fla's ratios (o
     0.006, gradients 0.008, dbeta/dg 0.02); the backward's parallel parts in XLA, or by the
-    consumer kernel (DELTA_FUSED_BWD) and the WY VJP kernel (DELTA_WY_BWD_KERNEL), which have not
-    yet passed on a GPU."""
+    consumer kernel (DELTA_FUSED_BWD), and the WY VJP kernel too (DELTA_WY_BWD_KERNEL; the default)."""
     fused, wy_kernel = DELTA_BWD_MODES[mode]
     monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
     monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
@@ -133,6 +141,10 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
+    if (op, name) == ("gla", "a"):
+        q, k = x(L, H, D), x(L, H, D)
+        Gk = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H, D))), jnp.float32), 1).reshape(L, H, D)
+        return (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype),), (q, k, Gk), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy", "wy_t"):
         k = x(L, H, D)
         k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
@@ -160,7 +172,9 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     want, got = run(main), run(prog)
     errs = [err_ratio(np.asarray(w.astype(jnp.float32)), g) for w, g in zip(want, got)]
     print(prog.name, "vs", main.name, [f"{e:.1e}" for e in errs])
-    assert all(e <= 2e-3 for e in errs), errs
+    # GLA's A with other sub-chunks: entries move between the float32 elementwise path and GEMMs of
+    # bf16-rounded operands, so the two agree to the input dtype's rounding, not bit for bit
+    assert all(e <= (5e-3 if prog.kind == "a" else 2e-3) for e in errs), errs
 
 
 @on_hopper
@@ -208,7 +222,7 @@ def test_unsupported_calls_say_why(monkeypatch):
     assert tilelang_backend.unsupported(p, **call) is None
     assert "K = 96" in tilelang_backend.unsupported(p, **dict(call, K=96, V=96))
     assert tilelang_backend.unsupported(p, **dict(call, varlen=True)) is None
-    assert "gla" in tilelang_backend.unsupported(_problem.Problem(op="gla", delta=False, chunk_size=64, dtype="bfloat16"), **call)
+    assert tilelang_backend.unsupported(_problem.Problem(op="gla", delta=False, chunk_size=64, dtype="bfloat16"), **call) is None
     gdn = _problem.Problem(op="gated_delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
     assert tilelang_backend.unsupported(gdn, **dict(call, grouped=True, l2norm=True)) is None
     monkeypatch.setattr(tilelang_backend, "registered", lambda: [])  # an extension built before these kernels
@@ -318,6 +332,53 @@ def test_tilelang_matches_fla_triton(gate):
     errs = {"o": err_ratio(as_np(fo), o), "ht": err_ratio(as_np(fht), ht)}
     print(gate, {n: f"{e:.1e}" for n, e in errs.items()})
     assert errs["o"] < 0.004 and errs["ht"] < 0.004, errs
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [0.1, 1.0, 10.0])
+def test_tilelang_gla_matches_fla_triton(norm):
+    """Against fla 0.6.0's Triton chunk_gla (torch), the forward, on the same random inputs with
+    gate normaliser `norm` (fla refuses its gated backward on Triton < 3.7.1; the gradients are
+    compared with the float64 reference in test_tilelang_matches_float64)."""
+    torch = pytest.importorskip("torch")
+    fla_gla = pytest.importorskip("fla.ops.gla")
+    rng = np.random.default_rng(19)
+    B, T, H, D = 2, 1000, 4, 128
+    x = {n: rng.standard_normal((B, T, H, D)).astype(np.float32) for n in ("q", "k", "v")}
+    g = (-np.logaddexp(0, -rng.standard_normal((B, T, H, D))) / norm).astype(np.float32)
+    h0 = rng.standard_normal((B, H, D, D)).astype(np.float32)
+    bf = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
+    o, ht = fla_jax.chunk_gla(bf["q"], bf["k"], bf["v"], jnp.asarray(g), initial_state=jnp.asarray(h0),
+                              output_final_state=True, backend="tilelang")
+    t = lambda a, dt=torch.bfloat16: torch.tensor(np.asarray(jnp.asarray(a, jnp.float32)), device="cuda", dtype=dt)
+    with torch.no_grad():
+        fo, fht = fla_gla.chunk_gla(t(bf["q"]), t(bf["k"]), t(bf["v"]), t(g, torch.float32), initial_state=t(h0, torch.float32),
+                                    output_final_state=True)
+    as_np = lambda a: a.float().cpu().numpy()
+    errs = {"o": err_ratio(as_np(fo), o), "ht": err_ratio(as_np(fht), ht)}
+    print("gla", norm, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert errs["o"] < 0.004 and errs["ht"] < 0.004, errs
+
+
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_gla_export_for_cuda_has_the_custom_calls(K, monkeypatch):
+    """GLA and its gradient lower for CUDA to the kernels only: forward = A, then the state pass;
+    under a gradient the state pass also stores h, and the backward is the state-gradient pass and
+    the fused consumer."""
+    monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
+    x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
+    g = jnp.zeros((1, 100, 2, K), jnp.float32)
+
+    def f(q, k, v, g):
+        return fla_jax.chunk_gla(q, k, v, g, output_final_state=True, backend="tilelang")
+
+    names = [f"fla_gla_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in [("fwd", "a"), ("fwd", "fused"), ("fwd", "fused_h"),
+                                                                 ("bwd", "dh"), ("bwd", "dqkvg")]]
+    fwd, both = _cuda_custom_calls(f, (x, x, x, g), names)
+    kernels = lambda calls: [c for c in calls if c.startswith("fla_")]
+    assert kernels(fwd) == names[:2]
+    assert sorted(kernels(both)) == sorted([names[0]] + names[2:])
 
 
 @pytest.mark.parametrize("mode", DELTA_BWD_MODES)

@@ -20,6 +20,9 @@ CASES = [
     Case("simple_gla", 1, 64, 1, 64, 64, dtype="bfloat16", gate="none", h0=True),
     Case("simple_gla", 1, 300, 2, 64, 64, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True),
     Case("simple_gla", 1, 256, 2, 64, 64, dtype="float16", cu=(0, 64, 128, 256), gate="g_gamma"),
+    Case("gla", 2, 100, 2, 64, 64, dtype="bfloat16", h0=True),
+    Case("gla", 1, 130, 2, 128, 128, dtype="float16", norm=0.1),
+    Case("gla", 1, 300, 2, 64, 64, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, norm=10),
 ]
 
 
@@ -32,7 +35,7 @@ def emulated(monkeypatch):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_glue_matches_float64(case, emulated):
-    p = Problem(op="simple_gla", delta=False, chunk_size=64, dtype=case.dtype)
+    p = Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype)
     varlen = case.cu is not None
     assert _backends.resolve("auto", p, K=case.K, V=case.V, varlen=varlen, grouped=False, l2norm=False).name == "tilelang"
     diff, cot = make_inputs(case, 21)
@@ -74,7 +77,7 @@ def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
     assert all(e <= tol for e in errs.values()), errs
 
 
-@pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule"])
+@pytest.mark.parametrize("op", ["simple_gla", "gla", "gated_delta_rule"])
 def test_glue_partitions_along_batch_and_heads(op, emulated, monkeypatch):
     """The backend's custom-partitioned forward and backward (emulated kernels) under an auto
     mesh with B and H sharded: same values as unsharded, no collectives in the compiled step."""

@@ -36,16 +36,20 @@ def _hi_lo(BT: int, dtype: str, *, scaled: bool):
 
 
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
-                   blocked: bool = False, tma_t: bool = True):
+                   blocked: bool | None = None, tma_t: bool = False):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
-    one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row. `tma_t`: store
-    T with TMA (which swizzles the shared buffer the substitution walks). Both experiments."""
+    one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
+    where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
+    an H200. `tma_t`: store T with TMA, which makes TileLang swizzle the shared buffer the
+    substitution walks: 0.809 against 0.542 ms without (the default) at the same shape."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
     parts = threads // BT
     span = BT // parts
     NB = 16  # blocked: block size; one thread per (diagonal block, half of j, column)
+    if blocked is None:
+        blocked = BT == 64 and threads == 128
     assert not blocked or (BT == 64 and threads == 128), "the blocked inverse is written for BT = 64, 128 threads"
 
     @T.macro

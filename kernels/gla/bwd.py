@@ -1,0 +1,214 @@
+"""GLA backward in TileLang: a reverse state-gradient pass and one fused consumer per chunk.
+
+Layout and inputs as for the forward (`kernels/gla/fwd.py`: flat chunk rows, `g [L, H, K]` the
+in-chunk cumulative log gates per key channel, float32), plus what the forward stored: `A`
+(`[NT, H, BT, BT]`, scaled and masked, input dtype) and the states before each chunk
+`h [NT, H, K, V]`.
+
+* `chunk_gla_bwd_dh`: one program per (V block, sequence * head), its chunks in reverse, from
+  `dht[n]`: `dS <- Diag(exp(G_C)) dS + scale (q * exp(G))^T do`. Writes `dh[c]`, the gradient of
+  the state after chunk c (input dtype), and `dh0 [N, H, K, V]`.
+* `chunk_gla_bwd_dqkvg`: one program per (chunk, head), over the V blocks with q, k, G and A on
+  chip: `dv = (k * exp(G_C - G)) dh + A^T do`, and accumulated `P = do h^T`, `R = v dh^T`,
+  `dA = scale (do v^T)` (j <= i), `sum_v h * dh` per key row. Then
+  `dq_ik = scale exp(G_ik) P_ik + sum_{j <= i} dA_ij k_jk exp(G_ik - G_jk)`,
+  `dk_jk = exp(G_Ck - G_jk) R_jk + sum_{i >= j} dA_ij q_ik exp(G_ik - G_jk)`, the sums by 16-row
+  sub-chunks as in the forward: blocks off the diagonal as GEMMs referenced to a row of the
+  sub-chunk (dq: the first row r0 of i's sub-chunk, dk: the last row n of j's), so that
+  `dq = exp(G - G_r0) (scale exp(G_r0) P + dA k exp(G_r0 - G))` has no factor above 1, and the
+  diagonal blocks elementwise. The gate gradient per position and channel
+  `dG = q * dq - k * dk` (+ `exp(G_C) sum_v h * dh + sum_j k_j * exp(G_C - G_j) R_j` at the last
+  row) is written in float32; the caller takes the reverse cumulative sum within each chunk.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
+import tilelang.language as T
+
+NS = 16  # sub-chunk rows
+
+
+def chunk_gla_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
+                     stages: int | None = None):
+    L, H, N, NT = T.dynamic("L, H, N, NT")
+    acc = "float32"
+    threads = threads or (256 if K > 128 else 128)
+    stages = stages or (2 if K <= 128 else 1)
+
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        do: T.Tensor((L, H, V), dtype),
+        g: T.Tensor((L, H, K), acc),
+        dht: T.Tensor((N, H, K, V), acc),
+        cstart: T.Tensor((N,), "int32"),
+        ccount: T.Tensor((N,), "int32"),
+        scale: T.float32,
+        dh: T.Tensor((NT, H, K, V), dtype),
+        dh0: T.Tensor((N, H, K, V), acc),
+    ):
+        with T.Kernel(T.ceildiv(V, BV), N * H, threads=threads) as (iv, inh):
+            n = inh // H
+            ih = inh % H
+            b_dh = T.alloc_fragment((K, BV), acc)
+            dh_s = T.alloc_shared((K, BV), dtype)
+            q_s = T.alloc_shared((BT, K), dtype)
+            qd_s = T.alloc_shared((BT, K), dtype)
+            g_s = T.alloc_shared((BT, K), acc)
+            do_s = T.alloc_shared((BT, BV), dtype)
+            c1 = cstart[n] + ccount[n] - 1
+            T.copy(dht[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_dh)
+            for ir in T.Pipelined(ccount[n], num_stages=stages):
+                t0 = (c1 - ir) * BT
+                T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
+                T.copy(do[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], do_s)
+                T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
+                T.copy(b_dh, dh_s)
+                T.copy(dh_s, dh[c1 - ir, ih, 0:K, iv * BV : (iv + 1) * BV])
+                for i, j in T.Parallel(BT, K):
+                    qd_s[i, j] = T.cast(T.cast(q_s[i, j], acc) * T.exp(g_s[i, j]) * scale, dtype)
+                for i, j in T.Parallel(K, BV):
+                    b_dh[i, j] = b_dh[i, j] * T.exp(g_s[BT - 1, i])
+                T.gemm(qd_s, do_s, b_dh, transpose_A=True)
+            T.copy(b_dh, dh0[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+
+    return main
+
+
+def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | None = None, threads: int = 128,
+                        stages: int = 1):
+    BV = BV or (32 if K > 128 else 64)  # K = 256: 64 would need 256 KB of shared memory
+    L, H, NT = T.dynamic("L, H, NT")
+    acc = "float32"
+    NV = V // BV
+    nsub = BT // NS
+
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        k: T.Tensor((L, H, K), dtype),
+        v: T.Tensor((L, H, V), dtype),
+        g: T.Tensor((L, H, K), acc),
+        a: T.Tensor((NT, H, BT, BT), dtype),
+        h: T.Tensor((NT, H, K, V), dtype),
+        do: T.Tensor((L, H, V), dtype),
+        dh: T.Tensor((NT, H, K, V), dtype),
+        scale: T.float32,
+        dq: T.Tensor((L, H, K), dtype),
+        dk: T.Tensor((L, H, K), dtype),
+        dv: T.Tensor((L, H, V), dtype),
+        dg: T.Tensor((L, H, K), acc),
+    ):
+        with T.Kernel(NT, H, threads=threads) as (it, ih):
+            t0 = it * BT
+            q_s = T.alloc_shared((BT, K), dtype)
+            k_s = T.alloc_shared((BT, K), dtype)
+            x_s = T.alloc_shared((BT, K), dtype)  # k * exp(G_C - G); then the sub-chunk GEMMs' right operands
+            g_s = T.alloc_shared((BT, K), acc)
+            a_s = T.alloc_shared((BT, BT), dtype)  # A; then the sub-chunk GEMMs' dA blocks
+            da_s = T.alloc_shared((BT, BT), acc)
+            v_s = T.alloc_shared((BT, BV), dtype)
+            do_s = T.alloc_shared((BT, BV), dtype)
+            h_s = T.alloc_shared((K, BV), dtype)
+            dh_s = T.alloc_shared((K, BV), dtype)
+            dv_s = T.alloc_shared((BT, BV), dtype)
+            e_s = T.alloc_shared((BT // 2, K), acc)  # k * (inter dk) in float32, half the rows at a time
+            last_s = T.alloc_shared((K,), acc)
+            acc_da = T.alloc_fragment((BT, BT), acc)
+            acc_dv = T.alloc_fragment((BT, BV), acc)
+            acc_dq = T.alloc_fragment((BT, K), acc)
+            acc_dk = T.alloc_fragment((BT, K), acc)
+            hdh = T.alloc_fragment((K,), acc)
+            kdk = T.alloc_fragment((K,), acc)
+
+            T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
+            T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
+            T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
+            T.copy(a[it, ih, 0:BT, 0:BT], a_s)
+            for i, c in T.Parallel(BT, K):
+                x_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[BT - 1, c] - g_s[i, c]), dtype)
+            T.clear(hdh)
+            T.clear(acc_dq)
+            T.clear(acc_dk)
+            T.clear(acc_da)
+            for iv in T.Pipelined(NV, num_stages=stages):
+                T.copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s)
+                T.copy(do[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], do_s)
+                T.copy(h[it, ih, 0:K, iv * BV : (iv + 1) * BV], h_s)
+                T.copy(dh[it, ih, 0:K, iv * BV : (iv + 1) * BV], dh_s)
+                for c in T.Parallel(K):
+                    for j in T.serial(BV):
+                        hdh[c] += T.cast(h_s[c, j], acc) * T.cast(dh_s[c, j], acc)
+                T.clear(acc_dv)
+                T.gemm(x_s, dh_s, acc_dv)
+                T.gemm(a_s, do_s, acc_dv, transpose_A=True)
+                T.copy(acc_dv, dv_s)
+                T.copy(dv_s, dv[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV])
+                T.gemm(do_s, v_s, acc_da, transpose_B=True)
+                T.gemm(do_s, h_s, acc_dq, transpose_B=True)
+                T.gemm(v_s, dh_s, acc_dk, transpose_B=True)
+            for i, j in T.Parallel(BT, BT):
+                da_s[i, j] = T.if_then_else(j <= i, acc_da[i, j] * scale, 0.0)
+            # the last row's gate gradient: exp(G_C) sum_v h * dh + sum_j k_j * (inter dk)_j, in float32:
+            # -k_j (inter dk)_j is also in row j's dG, and under strong decay the two nearly cancel
+            T.clear(kdk)
+            for half in range(2):
+                for i, c in T.Parallel(BT, K):
+                    if i // (BT // 2) == half:
+                        e_s[i % (BT // 2), c] = T.cast(k_s[i, c], acc) * acc_dk[i, c] * T.exp(g_s[BT - 1, c] - g_s[i, c])
+                for c in T.Parallel(K):
+                    for j in T.serial(BT // 2):
+                        kdk[c] += e_s[j, c]
+            for c in T.Parallel(K):
+                last_s[c] = T.exp(g_s[BT - 1, c]) * hdh[c] + kdk[c]
+            # dq: rescaled to each sub-chunk's first row r0, the blocks left of the diagonal by GEMMs
+            for i, c in T.Parallel(BT, K):
+                acc_dq[i, c] = acc_dq[i, c] * scale * T.exp(g_s[(i // NS) * NS, c])
+            for r in range(1, nsub):
+                r0 = r * NS
+                for i, j in T.Parallel(BT, BT):
+                    a_s[i, j] = T.cast(T.if_then_else((i // NS == r) & (j < r0), da_s[i, j], 0.0), dtype)
+                for i, c in T.Parallel(BT, K):
+                    x_s[i, c] = T.if_then_else(
+                        i < r0, T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[r0, c] - g_s[i, c]), dtype), T.cast(0, dtype)
+                    )
+                T.gemm(a_s, x_s, acc_dq)
+            for i, c in T.Parallel(BT, K):
+                acc_dq[i, c] = acc_dq[i, c] * T.exp(g_s[i, c] - g_s[(i // NS) * NS, c])
+            # dk: rescaled to the last row n of each sub-chunk, the blocks below the diagonal by GEMMs
+            for i, c in T.Parallel(BT, K):
+                acc_dk[i, c] = acc_dk[i, c] * T.exp(g_s[BT - 1, c] - g_s[(i // NS) * NS + NS - 1, c])
+            for r in range(nsub - 1):
+                n1 = r * NS + NS - 1
+                for i, j in T.Parallel(BT, BT):
+                    a_s[i, j] = T.cast(T.if_then_else((j // NS == r) & (i > n1), da_s[i, j], 0.0), dtype)
+                for i, c in T.Parallel(BT, K):
+                    x_s[i, c] = T.if_then_else(
+                        i > n1, T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[n1, c]), dtype), T.cast(0, dtype)
+                    )
+                T.gemm(a_s, x_s, acc_dk, transpose_A=True)
+            for i, c in T.Parallel(BT, K):
+                acc_dk[i, c] = acc_dk[i, c] * T.exp(g_s[(i // NS) * NS + NS - 1, c] - g_s[i, c])
+            # diagonal blocks, elementwise (jj outer: each thread's elements are independent chains)
+            for jj in T.serial(NS):
+                for i, c in T.Parallel(BT, K):
+                    acc_dq[i, c] += T.if_then_else(
+                        (i // NS) * NS + jj <= i,
+                        da_s[i, (i // NS) * NS + jj] * T.cast(k_s[(i // NS) * NS + jj, c], acc)
+                        * T.exp(g_s[i, c] - g_s[(i // NS) * NS + jj, c]),
+                        0.0,
+                    )
+                    acc_dk[i, c] += T.if_then_else(
+                        (i // NS) * NS + jj >= i,
+                        da_s[(i // NS) * NS + jj, i] * T.cast(q_s[(i // NS) * NS + jj, c], acc)
+                        * T.exp(g_s[(i // NS) * NS + jj, c] - g_s[i, c]),
+                        0.0,
+                    )
+            T.copy(acc_dq, dq[t0 : t0 + BT, ih, 0:K])  # stored from registers
+            T.copy(acc_dk, dk[t0 : t0 + BT, ih, 0:K])
+            for i, c in T.Parallel(BT, K):  # dG in place of dq
+                acc_dq[i, c] = T.cast(q_s[i, c], acc) * acc_dq[i, c] - T.cast(k_s[i, c], acc) * acc_dk[i, c] + T.if_then_else(
+                    i == BT - 1, last_s[c], 0.0
+                )
+            T.copy(acc_dq, dg[t0 : t0 + BT, ih, 0:K])
+
+    return main
