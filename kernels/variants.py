@@ -99,9 +99,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 # Alternative kernel configs built for one variant only, for benchmarks/bench_kernels.py to compare;
 # the dispatch never calls them.
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
-    ("gla", "fwd", "bf16", 128): (  # the intra-chunk matrix: two warpgroups; sub-chunks of 8 (half the exponentials, 7 GEMMs)
+    # the intra-chunk matrix: two warpgroups; sub-chunks of 8 (half the exponentials, 7 GEMMs); one
+    # chunk-wide GEMM for chunks of bounded gate range (jla's and fla's fast path)
+    ("gla", "fwd", "bf16", 128): (
         Program(name="x_a_t256", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",), config=(("threads", 256),)),
         Program(name="x_a_sub8", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",), config=(("sub", 8),)),
+        Program(name="x_a_bounded", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",), config=(("bounded", True),)),
     ),
     ("delta", "fwd", "bf16", 128): (  # the WY inverse row by row (the default before the blocked one); T stored by TMA
         Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),

@@ -25,12 +25,62 @@ import tilelang.language as T
 NS = 16  # sub-chunk rows
 
 
-def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128, sub: int = NS):
-    """`sub`: the sub-chunk rows (diagonal blocks elementwise, the rest by one GEMM per sub-chunk)."""
+def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128, sub: int = NS, bounded: bool = False):
+    """`sub`: the sub-chunk rows (diagonal blocks elementwise, the rest by one GEMM per sub-chunk).
+    `bounded` (an experiment): a chunk whose gate range `max_k (G_0k - G_Ck)` is below `limit`
+    takes one chunk-wide GEMM of `q exp(G - G_0)` and `k exp(G_0 - G)` (the latter as hi + lo
+    halves in the input dtype; its factors reach `exp(limit)`, which the dtype must hold), and only
+    the others take the sub-chunks (as jla's and fla's GLA kernels do)."""
     del V
     NS = sub
     L, H, NT = T.dynamic("L, H, NT")
     acc = "float32"
+    limit = 60.0 if dtype == "bfloat16" else 8.0  # fp16 tops out at 65504 = exp(11.1)
+
+    @T.macro
+    def sub_chunked(q_s, k_s, g_s, qr_s, kr_s, d_s, kt_s, gt_s, acc_a, d_f, scale):
+        T.clear(acc_a)
+        for r in range(1, BT // NS):  # blocks left of the diagonal, row sub-chunk r
+            r0 = r * NS
+            for i, c in T.Parallel(BT, K):
+                qr_s[i, c] = T.if_then_else(
+                    i // NS == r, T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[r0, c]), dtype), T.cast(0, dtype)
+                )
+                kr_s[i, c] = T.if_then_else(
+                    i < r0, T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[r0, c] - g_s[i, c]), dtype), T.cast(0, dtype)
+                )
+            T.gemm(qr_s, kr_s, acc_a, transpose_B=True)
+        for c, j in T.Parallel(K, BT):
+            kt_s[c, j] = k_s[j, c]
+            gt_s[c, j] = g_s[j, c]
+        T.clear(d_f)
+        for c in T.serial(K):  # diagonal blocks: d[i, jj] = A[i, (i // NS) * NS + jj]; channels outer, so
+            for i, jj in T.Parallel(BT, NS):  # that each thread's sums are independent chains
+                d_f[i, jj] += T.if_then_else(
+                    (i // NS) * NS + jj <= i,
+                    T.cast(q_s[i, c], acc) * T.cast(kt_s[c, (i // NS) * NS + jj], acc)
+                    * T.exp(g_s[i, c] - gt_s[c, (i // NS) * NS + jj]),
+                    0.0,
+                )
+        T.copy(d_f, d_s)
+        for i, j in T.Parallel(BT, BT):
+            acc_a[i, j] = T.if_then_else(
+                j <= i, (acc_a[i, j] + T.if_then_else(i // NS == j // NS, d_s[i, j % NS], 0.0)) * scale, 0.0
+            )
+
+    @T.macro
+    def chunk_wide(q_s, k_s, g_s, qr_s, kr_s, klo_s, acc_a, scale):
+        for i, c in T.Parallel(BT, K):
+            qr_s[i, c] = T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[0, c]), dtype)
+            kr_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[0, c] - g_s[i, c]), dtype)
+            klo_s[i, c] = T.cast(
+                T.cast(k_s[i, c], acc) * T.exp(g_s[0, c] - g_s[i, c]) - T.cast(kr_s[i, c], acc), dtype
+            )
+        T.clear(acc_a)
+        T.gemm(qr_s, kr_s, acc_a, transpose_B=True)
+        T.gemm(qr_s, klo_s, acc_a, transpose_B=True)
+        for i, j in T.Parallel(BT, BT):
+            acc_a[i, j] = T.if_then_else(j <= i, acc_a[i, j] * scale, 0.0)
 
     @T.prim_func
     def main(
@@ -56,34 +106,22 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
             T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
             T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
             T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
-            T.clear(acc_a)
-            for r in range(1, BT // NS):  # blocks left of the diagonal, row sub-chunk r
-                r0 = r * NS
-                for i, c in T.Parallel(BT, K):
-                    qr_s[i, c] = T.if_then_else(
-                        i // NS == r, T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[r0, c]), dtype), T.cast(0, dtype)
-                    )
-                    kr_s[i, c] = T.if_then_else(
-                        i < r0, T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[r0, c] - g_s[i, c]), dtype), T.cast(0, dtype)
-                    )
-                T.gemm(qr_s, kr_s, acc_a, transpose_B=True)
-            for c, j in T.Parallel(K, BT):
-                kt_s[c, j] = k_s[j, c]
-                gt_s[c, j] = g_s[j, c]
-            T.clear(d_f)
-            for c in T.serial(K):  # diagonal blocks: d[i, jj] = A[i, (i // NS) * NS + jj]; channels outer, so
-                for i, jj in T.Parallel(BT, NS):  # that each thread's sums are independent chains
-                    d_f[i, jj] += T.if_then_else(
-                        (i // NS) * NS + jj <= i,
-                        T.cast(q_s[i, c], acc) * T.cast(kt_s[c, (i // NS) * NS + jj], acc)
-                        * T.exp(g_s[i, c] - gt_s[c, (i // NS) * NS + jj]),
-                        0.0,
-                    )
-            T.copy(d_f, d_s)
-            for i, j in T.Parallel(BT, BT):
-                acc_a[i, j] = T.if_then_else(
-                    j <= i, (acc_a[i, j] + T.if_then_else(i // NS == j // NS, d_s[i, j % NS], 0.0)) * scale, 0.0
-                )
+            if bounded:
+                klo_s = T.alloc_shared((BT, K), dtype)
+                span = T.alloc_fragment((K,), acc)
+                span_max = T.alloc_fragment((1,), acc)
+                span_s = T.alloc_shared((1,), acc)
+                for c in T.Parallel(K):
+                    span[c] = g_s[0, c] - g_s[BT - 1, c]
+                T.reduce_max(span, span_max, dim=0)
+                for c in T.Parallel(1):
+                    span_s[c] = span_max[c]
+                if span_s[0] < limit:
+                    chunk_wide(q_s, k_s, g_s, qr_s, kr_s, klo_s, acc_a, scale)
+                else:
+                    sub_chunked(q_s, k_s, g_s, qr_s, kr_s, d_s, kt_s, gt_s, acc_a, d_f, scale)
+            else:
+                sub_chunked(q_s, k_s, g_s, qr_s, kr_s, d_s, kt_s, gt_s, acc_a, d_f, scale)
             T.copy(acc_a, a_s)
             T.copy(a_s, a[it, ih, 0:BT, 0:BT])
 
