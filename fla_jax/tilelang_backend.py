@@ -192,7 +192,7 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         tm = (jax.ShapeDtypeStruct((NT, HV, C, C), jnp.float32),) if store_h else ()
         wy = _call(_targets(p, "fwd", K, V)["wy_t" if store_h else "wy"], (_like(kf, dt, HV), _like(vf), *tm),
                    kf, vf, Gf, flat[4])
-        ins, extra = (qf, kf, *wy[:2]), (_like(vf),)  # extra result: v_new
+        ins, extra = (qf, kf, *wy[:2], Gf), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
     elif p.op == "gla":  # the intra-chunk matrix, read by the state pass (and kept for the backward)
@@ -200,12 +200,11 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         ins, extra = (qf, kf, vf, Gf, a), ()
         wy = (a.reshape(B, NT // B, *a.shape[1:]),) if store_h else ()
     else:
-        ins, extra = (qf, kf, vf), ()
+        ins, extra = (qf, kf, vf, Gf), ()
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
     out = _call(
         _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
-        (_like(vf), *extra, *h, _like(h0, jnp.float32)), *ins, *(() if p.op == "gla" else (Gf,)), h0, cstart, ccount,
-        scale=np.float32(scale),
+        (_like(vf), *extra, *h, _like(h0, jnp.float32)), *ins, h0, cstart, ccount, scale=np.float32(scale),
     )
     h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
     if p.delta and wy:  # and v_new, for the backward's consumer kernel

@@ -174,42 +174,21 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             T.copy(dk_s, dk[it * BT : (it + 1) * BT, ihv, 0:K])
             T.copy(dg_s, dg[it * BT : (it + 1) * BT, ihv], disable_tma=True)
 
-    if delta:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            scale: T.float32,
-            dq: T.Tensor((L, HV, K), dtype),
-            dk: T.Tensor((L, HV, K), dtype),
-            dv: T.Tensor((L, HV, V), dtype),
-            dg: T.Tensor((L, HV), acc),
-        ):
-            body(q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor((L, H), acc),
-            h: T.Tensor((NT, H, K, V), dtype),
-            do: T.Tensor((L, H, V), dtype),
-            dh: T.Tensor((NT, H, K, V), dtype),
-            scale: T.float32,
-            dq: T.Tensor((L, H, K), dtype),
-            dk: T.Tensor((L, H, K), dtype),
-            dv: T.Tensor((L, H, V), dtype),
-            dg: T.Tensor((L, H), acc),
-        ):
-            body(q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        k: T.Tensor((L, H, K), dtype),
+        v: T.Tensor((L, heads, V), dtype),
+        g: T.Tensor((L, heads), acc),
+        h: T.Tensor((NT, heads, K, V), dtype),
+        do: T.Tensor((L, heads, V), dtype),
+        dh: T.Tensor((NT, heads, K, V), dtype),
+        scale: T.float32,
+        dq: T.Tensor((L, heads, K), dtype),
+        dk: T.Tensor((L, heads, K), dtype),
+        dv: T.Tensor((L, heads, V), dtype),
+        dg: T.Tensor((L, heads), acc),
+    ):
+        body(q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
 
     return main
