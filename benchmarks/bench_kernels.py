@@ -46,12 +46,12 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
         }
         calls["dh_bk64"] = calls["dh"]  # K split in two, same inputs and outputs
     elif op == "gla":  # gates per key channel
-        Gk = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H, D))) * 0.1, jnp.float32), 1).reshape(B * T, H, D)
-        am = jax.ShapeDtypeStruct((NT, H, 64, 64), dtype)
-        a = run("fwd", "a", am, q, k, Gk, scale=s)
+        gk = jnp.asarray(-np.abs(rng.standard_normal((B * T, H, D))) * 0.1, jnp.float32)  # per step
+        am = (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), like(gk))
+        a, Gk = run("fwd", "a", am, q, k, gk, scale=s)
         h = run("fwd", "fused_h", (like(v), state, final), q, k, v, Gk, a, h0, cstart, ccount, scale=s)[1]
         calls = {
-            "a": (am, (q, k, Gk), {"scale": s}),
+            "a": (am, (q, k, gk), {"scale": s}),
             "fused_h": ((like(v), state, final), (q, k, v, Gk, a, h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), final), (q, k, v, Gk, a, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, do, Gk, h0, cstart, ccount), {"scale": s}),
@@ -86,6 +86,12 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
             results, args, attrs = calls[prog.kind]
             fn = jax.jit(lambda *a, t=variant.target(prog), r=results, kw=attrs: tb._call(t, r, *a, **kw))
             yield f"{direction}:{prog.name}", fn, args
+    if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path
+        a_strong, strong = run("fwd", "a", am, q, k, gk * 100, scale=s)
+        for direction, name, args in (("fwd", "a", (q, k, gk * 100)), ("bwd", "dqkvg", (q, k, v, strong, a_strong, h, do, h))):
+            results, _, attrs = calls[name]
+            target = tb._targets(p, direction, D, D)[name]
+            yield f"{direction}:{name}@strong", jax.jit(lambda *a, t=target, r=results, kw=attrs: tb._call(t, r, *a, **kw)), args
 
 
 def _with_precision(fn, precision):

@@ -4,9 +4,10 @@
 Built so far: simple GLA (`kernels/simple_gla/`): forward (one pass, states kept on chip; under a
 gradient it also stores the state before each chunk) and backward (reverse state-gradient pass, one
 fused dq/dk/dv/dg consumer), bf16/fp16 inputs, K = V in {64, 128, 256}, dense batches and
-`cu_seqlens`. GLA (`kernels/gla/`): the intra-chunk matrix A by sub-chunks, a forward state pass
-reading it, and the backward as simple GLA's (reverse state-gradient pass, one fused consumer), with
-gates per key channel. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
+`cu_seqlens`. GLA (`kernels/gla/`): the intra-chunk matrix A (chunk-wide on the tensor cores where
+the chunk's gate range allows, else by sub-chunks) and the gates' in-chunk cumulative sums, a
+forward state pass reading them, and the backward as simple GLA's (reverse state-gradient pass, one
+fused consumer that also takes the reverse cumulative sum of dg), with gates per key channel. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
 reverse state-gradient pass as kernels, and the backward's chunk-parallel parts by two more kernels
 (switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`; switched off, JAX VJPs do them).
 Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
@@ -121,7 +122,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     q and k are l2-normalised here when asked (delta rules; differentiated by JAX). Tokens are laid
     out in chunk rows as for the xla backend (`fla_jax._layout`: every sequence starts at a chunk
     boundary, zeros in padding slots); the in-chunk gate cumulative sum is taken here, so its
-    gradient (a reverse cumulative sum) is JAX's."""
+    gradient (a reverse cumulative sum) is JAX's, but for GLA, whose kernels take both."""
     T = q.shape[1]
     C = p.chunk_size
     if l2norm:
@@ -130,7 +131,8 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)  # GLA: [B, T, H, K]
     beta = beta.astype(jnp.float32) if p.delta else None
     q, k, v, g32, beta = (_layout.pack(x, layout) for x in (q, k, v, g32, beta))
-    G = jnp.cumsum(g32.reshape(g32.shape[0], -1, C, *g32.shape[2:]), axis=2).reshape(g32.shape)
+    # GLA's kernels take the per-step gates and the sums' gradient themselves (`chunk_gla_a` writes G)
+    G = g32 if p.op == "gla" else jnp.cumsum(g32.reshape(g32.shape[0], -1, C, *g32.shape[2:]), axis=2).reshape(g32.shape)
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
     tokens = (q, k, v, G) + ((beta,) if p.delta else ())
     o, ht = _op(p, float(scale), *tokens, h0.astype(jnp.float32), *tables)
@@ -146,8 +148,8 @@ def _token_layouts(p: Problem) -> tuple[str, ...]:
 def _stored_layouts(p: Problem) -> tuple[str, ...]:
     """What the forward stores for the backward besides h: for the delta rules the WY
     preparation's w, u (per token) and T (per chunk), and v_new (per token); for GLA the
-    intra-chunk matrix A (per chunk)."""
-    return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ("bchkv",) if p.op == "gla" else ()
+    intra-chunk matrix A (per chunk) and the in-chunk cumulative gates G (per token)."""
+    return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ("bchkv", "bthk") if p.op == "gla" else ()
 
 
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
@@ -195,10 +197,11 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         ins, extra = (qf, kf, *wy[:2], Gf), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
-    elif p.op == "gla":  # the intra-chunk matrix, read by the state pass (and kept for the backward)
-        a = _call(_targets(p, "fwd", K, V)["a"], jax.ShapeDtypeStruct((NT, HV, C, C), dt), qf, kf, Gf, scale=np.float32(scale))
+    elif p.op == "gla":  # the intra-chunk matrix and G from the per-step gates, read by the state pass (and kept)
+        a, Gf = _call(_targets(p, "fwd", K, V)["a"], (jax.ShapeDtypeStruct((NT, HV, C, C), dt), _like(Gf)), qf, kf, Gf,
+                      scale=np.float32(scale))
         ins, extra = (qf, kf, vf, Gf, a), ()
-        wy = (a.reshape(B, NT // B, *a.shape[1:]),) if store_h else ()
+        wy = (a.reshape(B, NT // B, *a.shape[1:]), Gf.reshape(B, Lr, *Gf.shape[1:])) if store_h else ()
     else:
         ins, extra = (qf, kf, vf, Gf), ()
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
@@ -230,7 +233,9 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     bwd = _targets(p, "bwd", K, V)
     dht = dht.astype(jnp.float32)
     rows = lambda x, dt: x.reshape(B, Lr, *x.shape[1:]).astype(dt)
-    if not p.delta:  # simple GLA; GLA with the stored A
+    if not p.delta:  # simple GLA; GLA with the stored A and G (its dqkvg returns the per-step gates' dg)
+        if p.op == "gla":
+            wy, Gf = wy[:1], wy[1].reshape(Gf.shape)
         split = "dh_bk64" in bwd and cstart.shape[0] * qf.shape[1] * (V // 64) <= SPLIT_K_PROGRAMS
         dh, dh0 = _call(bwd["dh_bk64" if split else "dh"], (_like(hf), _like(dht)), qf, dof, Gf, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)

@@ -86,7 +86,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
     ("gla", "fwd"): (
-        Program(name="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",)),
+        Program(name="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc")),
         Program(name="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht")),
         Program(name="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
     ),
@@ -99,12 +99,15 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 # Alternative kernel configs built for one variant only, for benchmarks/bench_kernels.py to compare;
 # the dispatch never calls them.
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
-    # the intra-chunk matrix: two warpgroups; sub-chunks of 8 (half the exponentials, 7 GEMMs); one
-    # chunk-wide GEMM for chunks of bounded gate range (jla's and fla's fast path)
+    # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks)
     ("gla", "fwd", "bf16", 128): (
-        Program(name="x_a_t256", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",), config=(("threads", 256),)),
-        Program(name="x_a_sub8", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",), config=(("sub", 8),)),
-        Program(name="x_a_bounded", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a",), config=(("bounded", True),)),
+        Program(name="x_a_exact", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("bounded", False),)),
+        Program(name="x_a_nolo", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("split", False),)),
+        Program(name="x_a_inplace", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("inplace", True),)),
+    ),
+    ("gla", "bwd", "bf16", 128): (
+        Program(name="x_dqkvg_exact", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
+                outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
     ),
     ("delta", "fwd", "bf16", 128): (  # the WY inverse row by row (the default before the blocked one); T stored by TMA
         Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),

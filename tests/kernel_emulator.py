@@ -129,11 +129,12 @@ def _gla_decay(Gc):
     return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
 
 
-def gla_a(q, k, G, *, scale):
-    """kernels/gla/fwd.py `chunk_gla_a`: `A [NT, H, C, C]` in the input dtype."""
-    qc, kc, Gc = _chunks(q), _chunks(k), _chunks(G)
+def gla_a(q, k, g, *, scale):
+    """kernels/gla/fwd.py `chunk_gla_a`: `A [NT, H, C, C]` in the input dtype, and `G` (the
+    in-chunk cumulative sums of the per-step gates `g`)."""
+    qc, kc, Gc = _chunks(q), _chunks(k), jnp.cumsum(_chunks(g), axis=2)
     A = scale * jnp.einsum("bnihk,bnjhk,bnijhk->bnhij", qc, kc, _gla_decay(Gc))
-    return A[0].astype(q.dtype)
+    return A[0].astype(q.dtype), Gc.reshape(g.shape)
 
 
 def gla_fwd_fused_h(q, k, v, G, a, h0, cstart, ccount, *, scale):
@@ -152,7 +153,8 @@ def gla_fwd_fused(q, k, v, G, a, h0, cstart, ccount, *, scale):
 
 
 def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale):
-    """kernels/gla/bwd.py `chunk_gla_bwd_dqkvg`: dq, dk, dv and the per-channel dG."""
+    """kernels/gla/bwd.py `chunk_gla_bwd_dqkvg`: dq, dk, dv and the per-step gates' dg (the
+    reverse in-chunk cumulative sum of the per-channel dG)."""
     qc, kc, vc, Gc, doc = (_chunks(x) for x in (q, k, v, G, do))
     h, dh, A = h.astype(f32)[None], dh.astype(f32)[None], a.astype(f32)[None]
     glast = Gc[:, :, -1:]  # [B, N, 1, H, K]
@@ -167,6 +169,7 @@ def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale):
     dG = qc * dq - kc * dk
     last = jnp.exp(glast[:, :, 0]) * jnp.sum(h * dh, -1) + jnp.sum(kc * dk_inter, 2)
     dG = dG.at[:, :, -1].add(last)
+    dG = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), axis=2), 2)
     flat = lambda x, dt: x.reshape(q.shape[0], *x.shape[3:]).astype(dt)
     return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype), flat(dG, f32)
 

@@ -141,10 +141,17 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
-    if (op, name) == ("gla", "a"):
+    if op == "gla":  # per-step gates -|N(0, 1)| with chunks 1-2 at -|N(0, 6)|: most chunks bounded, these not
         q, k = x(L, H, D), x(L, H, D)
-        Gk = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H, D))), jnp.float32), 1).reshape(L, H, D)
-        return (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype),), (q, k, Gk), {"scale": np.float32(D**-0.5)}
+        steps = -np.abs(rng.standard_normal((NT, 64, H, D))) * np.where(np.isin(np.arange(NT), (1, 2)), 6.0, 1.0)[:, None, None, None]
+        Gk = jnp.cumsum(jnp.asarray(steps, jnp.float32), 1).reshape(L, H, D)
+        if name == "a":  # from the per-step gates; A and G
+            gk = jnp.asarray(steps, jnp.float32).reshape(L, H, D)
+            return (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), like(gk)), (q, k, gk), {"scale": np.float32(D**-0.5)}
+        if name == "dqkvg":
+            a = jnp.tril(x(NT, H, 64, 64).astype(jnp.float32) * 0.1).astype(dtype)
+            v, do, h, dh = x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
+            return (like(q), like(k), like(v), jax.ShapeDtypeStruct(Gk.shape, jnp.float32)), (q, k, v, Gk, a, h, do, dh), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy", "wy_t"):
         k = x(L, H, D)
         k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
@@ -172,9 +179,9 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     want, got = run(main), run(prog)
     errs = [err_ratio(np.asarray(w.astype(jnp.float32)), g) for w, g in zip(want, got)]
     print(prog.name, "vs", main.name, [f"{e:.1e}" for e in errs])
-    # GLA's A with other sub-chunks: entries move between the float32 elementwise path and GEMMs of
-    # bf16-rounded operands, so the two agree to the input dtype's rounding, not bit for bit
-    assert all(e <= (5e-3 if prog.kind == "a" else 2e-3) for e in errs), errs
+    # GLA's intra-chunk parts, exact against chunk-wide: terms move between the float32 elementwise
+    # path and GEMMs of bf16-rounded operands, so the two agree to the input dtype's rounding
+    assert all(e <= (5e-3 if prog.kind == "a" else 1e-2 if prog.kind == "dqkvg" else 2e-3) for e in errs), errs
 
 
 @on_hopper

@@ -53,7 +53,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     assert not blocked or (BT == 64 and threads == 128), "the blocked inverse is written for BT = 64, 128 threads"
 
     @T.macro
-    def invert_blocked(m_s, s, bpart_s, s_s):
+    def invert_blocked(m_s, s, bpart_s, s_s, acc8):
         tx = T.get_thread_binding()
         bb, pp, cc = tx // 32, (tx // NB) % 2, tx % NB
         o = bb * NB
@@ -67,23 +67,33 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 if cc < i:
                     m_s[o + i, o + cc] = -(bpart_s[bb, 0, cc] + bpart_s[bb, 1, cc])
             T.sync_threads()
+        # Block rows I = 1, 2, 3 (rows r0 + r): thread tx owns column col = tx % BT and the rows
+        # r = RS e + tx // BT (e < NE) of the strip left of block I, NE sums at once (independent
+        # chains, each operand of column col loaded once for all of them).
+        NE = NB * BT // threads
+        RS = threads // BT
+        col = tx % BT
         for ib in T.serial(1, BT // NB):
             r0 = ib * NB
-            for e in T.serial(NB * BT // threads):  # S = sum_K A_IK T_KJ for the strip left of block I
-                r, col = (e * threads + tx) // BT, (e * threads + tx) % BT
-                if col < r0:
-                    s[0] = 0.0
-                    for x in T.serial(r0 - (col // NB) * NB):
-                        s[0] += m_s[r0 + r, (col // NB) * NB + x] * m_s[(col // NB) * NB + x, col]
-                    s_s[r, col] = s[0]
+            if col < r0:  # S = sum_K A_IK T_KJ, K from J = col // NB up to I - 1
+                for e in T.unroll(NE):
+                    acc8[e] = 0.0
+                for x in T.serial(r0 - (col // NB) * NB):
+                    tv = m_s[(col // NB) * NB + x, col]
+                    for e in T.unroll(NE):
+                        acc8[e] += m_s[r0 + RS * e + tx // BT, (col // NB) * NB + x] * tv
+                for e in T.unroll(NE):
+                    s_s[RS * e + tx // BT, col] = acc8[e]
             T.sync_threads()
-            for e in T.serial(NB * BT // threads):  # T_IJ = -T_II S
-                r, col = (e * threads + tx) // BT, (e * threads + tx) % BT
-                if col < r0:
-                    s[0] = 0.0
-                    for mm in T.serial(r + 1):
-                        s[0] += m_s[r0 + r, r0 + mm] * s_s[mm, col]
-                    m_s[r0 + r, col] = -s[0]
+            if col < r0:  # T_IJ = -T_II S (T_II lower triangular)
+                for e in T.unroll(NE):
+                    acc8[e] = 0.0
+                for mm in T.serial(NB):
+                    sv = s_s[mm, col]
+                    for e in T.unroll(NE):
+                        acc8[e] += T.if_then_else(mm <= RS * e + tx // BT, m_s[r0 + RS * e + tx // BT, r0 + mm], 0.0) * sv
+                for e in T.unroll(NE):
+                    m_s[r0 + RS * e + tx // BT, col] = -acc8[e]
             T.sync_threads()
 
     split = _hi_lo(BT, dtype, scaled=True)
@@ -119,7 +129,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             if blocked:
                 bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
                 s_s = T.alloc_shared((NB, BT), acc)
-                invert_blocked(m_s, s, bpart_s, s_s)
+                acc8 = T.alloc_local((NB * BT // threads,), acc)
+                invert_blocked(m_s, s, bpart_s, s_s, acc8)
             else:
                 # forward substitution, T[i, c] = -sum_{j < i} A[i, j] T[j, c] for c < i (T[j, j] = 1):
                 # thread (part p, column c) sums its span of j, the spans are added through part_s

@@ -18,11 +18,14 @@ in-chunk cumulative log gates per key channel, float32), plus what the forward s
   `dq = exp(G - G_r0) (scale exp(G_r0) P + dA k exp(G_r0 - G))` has no factor above 1, and the
   diagonal blocks elementwise. The gate gradient per position and channel
   `dG = q * dq - k * dk` (+ `exp(G_C) sum_v h * dh + sum_j k_j * exp(G_C - G_j) R_j` at the last
-  row) is written in float32; the caller takes the reverse cumulative sum within each chunk.
+  row) in float32, and its reverse cumulative sum within the chunk is written: `dg`, the gradient
+  of the per-step gates.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
+
+from kernels.gla.fwd import chunk_span, half_limit
 
 NS = 16  # sub-chunk rows
 
@@ -75,12 +78,91 @@ def chunk_gla_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, 
 
 
 def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | None = None, threads: int = 128,
-                        stages: int = 1):
+                        stages: int = 1, bounded: bool | None = None):
+    """`bounded` (the default): a chunk of bounded gate range (`kernels.gla.fwd.chunk_span` below
+    `half_limit(dtype)`) takes the intra-chunk dq and dk as one chunk-wide GEMM each, referenced
+    to the middle row m: `dq = exp(G - G_m) (scale exp(G_m) P + dA (k exp(G_m - G)))` and
+    `dk = exp(G_m - G) (exp(G_C - G_m) R + dA^T (q exp(G - G_m)))` (the bracketed factors as hi +
+    lo halves in the input dtype); the others the sub-chunks. K = 256 takes the sub-chunks only
+    (the four operand buffers would need 288 KB of shared memory)."""
+    bounded = K <= 128 if bounded is None else bounded
+    limit = half_limit(dtype)
+    m = BT // 2
     BV = BV or (32 if K > 128 else 64)  # K = 256: 64 would need 256 KB of shared memory
     L, H, NT = T.dynamic("L, H, NT")
     acc = "float32"
     NV = V // BV
     nsub = BT // NS
+
+    @T.macro
+    def sub_chunked(q_s, k_s, g_s, x_s, a_s, da_s, acc_dq, acc_dk, scale):
+        # dq: rescaled to each sub-chunk's first row r0, the blocks left of the diagonal by GEMMs
+        for i, c in T.Parallel(BT, K):
+            acc_dq[i, c] = acc_dq[i, c] * scale * T.exp(g_s[(i // NS) * NS, c])
+        for r in range(1, nsub):
+            r0 = r * NS
+            for i, j in T.Parallel(BT, BT):
+                a_s[i, j] = T.cast(T.if_then_else((i // NS == r) & (j < r0), da_s[i, j], 0.0), dtype)
+            for i, c in T.Parallel(BT, K):
+                x_s[i, c] = T.if_then_else(
+                    i < r0, T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[r0, c] - g_s[i, c]), dtype), T.cast(0, dtype)
+                )
+            T.gemm(a_s, x_s, acc_dq)
+        for i, c in T.Parallel(BT, K):
+            acc_dq[i, c] = acc_dq[i, c] * T.exp(g_s[i, c] - g_s[(i // NS) * NS, c])
+        # dk: rescaled to the last row n of each sub-chunk, the blocks below the diagonal by GEMMs
+        for i, c in T.Parallel(BT, K):
+            acc_dk[i, c] = acc_dk[i, c] * T.exp(g_s[BT - 1, c] - g_s[(i // NS) * NS + NS - 1, c])
+        for r in range(nsub - 1):
+            n1 = r * NS + NS - 1
+            for i, j in T.Parallel(BT, BT):
+                a_s[i, j] = T.cast(T.if_then_else((j // NS == r) & (i > n1), da_s[i, j], 0.0), dtype)
+            for i, c in T.Parallel(BT, K):
+                x_s[i, c] = T.if_then_else(
+                    i > n1, T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[n1, c]), dtype), T.cast(0, dtype)
+                )
+            T.gemm(a_s, x_s, acc_dk, transpose_A=True)
+        for i, c in T.Parallel(BT, K):
+            acc_dk[i, c] = acc_dk[i, c] * T.exp(g_s[(i // NS) * NS + NS - 1, c] - g_s[i, c])
+        # diagonal blocks, elementwise (jj outer: each thread's elements are independent chains)
+        for jj in T.serial(NS):
+            for i, c in T.Parallel(BT, K):
+                acc_dq[i, c] += T.if_then_else(
+                    (i // NS) * NS + jj <= i,
+                    da_s[i, (i // NS) * NS + jj] * T.cast(k_s[(i // NS) * NS + jj, c], acc)
+                    * T.exp(g_s[i, c] - g_s[(i // NS) * NS + jj, c]),
+                    0.0,
+                )
+                acc_dk[i, c] += T.if_then_else(
+                    (i // NS) * NS + jj >= i,
+                    da_s[(i // NS) * NS + jj, i] * T.cast(q_s[(i // NS) * NS + jj, c], acc)
+                    * T.exp(g_s[(i // NS) * NS + jj, c] - g_s[i, c]),
+                    0.0,
+                )
+
+    @T.macro
+    def chunk_wide(q_s, k_s, g_s, x_s, xl_s, y_s, yl_s, a_s, da_s, acc_dq, acc_dk, scale):
+        # The pair (i, j) enters dG_i through dq_i and -dG_j through dk_j, and the reverse cumulative
+        # sum of dG cancels the two for every row at or before j: only operands exact to ~2^-17 (hi
+        # and lo halves in the input dtype; dA rounded once, the same in both) keep what is left
+        # accurate (bf16-rounded factors gave dg errors of 2e-2 at gate normaliser 1).
+        for i, j in T.Parallel(BT, BT):
+            a_s[i, j] = T.cast(da_s[i, j], dtype)  # dA, masked (j <= i) and scaled
+        for i, c in T.Parallel(BT, K):
+            x_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[m, c] - g_s[i, c]), dtype)
+            xl_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[m, c] - g_s[i, c]) - T.cast(x_s[i, c], acc), dtype)
+            y_s[i, c] = T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[m, c]), dtype)
+            yl_s[i, c] = T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[m, c]) - T.cast(y_s[i, c], acc), dtype)
+        for i, c in T.Parallel(BT, K):
+            acc_dq[i, c] = acc_dq[i, c] * scale * T.exp(g_s[m, c])
+            acc_dk[i, c] = acc_dk[i, c] * T.exp(g_s[BT - 1, c] - g_s[m, c])
+        T.gemm(a_s, x_s, acc_dq)
+        T.gemm(a_s, xl_s, acc_dq)
+        T.gemm(a_s, y_s, acc_dk, transpose_A=True)
+        T.gemm(a_s, yl_s, acc_dk, transpose_A=True)
+        for i, c in T.Parallel(BT, K):
+            acc_dq[i, c] = acc_dq[i, c] * T.exp(g_s[i, c] - g_s[m, c])
+            acc_dk[i, c] = acc_dk[i, c] * T.exp(g_s[m, c] - g_s[i, c])
 
     @T.prim_func
     def main(
@@ -103,6 +185,8 @@ def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | N
             q_s = T.alloc_shared((BT, K), dtype)
             k_s = T.alloc_shared((BT, K), dtype)
             x_s = T.alloc_shared((BT, K), dtype)  # k * exp(G_C - G); then the sub-chunk GEMMs' right operands
+            # the chunk-wide path's operands k exp(G_m - G) (x_s) and q exp(G - G_m), hi and lo halves
+            xl_s, y_s, yl_s = (T.alloc_shared((BT, K), dtype) if bounded else None for _ in range(3))
             g_s = T.alloc_shared((BT, K), acc)
             a_s = T.alloc_shared((BT, BT), dtype)  # A; then the sub-chunk GEMMs' dA blocks
             da_s = T.alloc_shared((BT, BT), acc)
@@ -160,55 +244,28 @@ def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | N
                         kdk[c] += e_s[j, c]
             for c in T.Parallel(K):
                 last_s[c] = T.exp(g_s[BT - 1, c]) * hdh[c] + kdk[c]
-            # dq: rescaled to each sub-chunk's first row r0, the blocks left of the diagonal by GEMMs
-            for i, c in T.Parallel(BT, K):
-                acc_dq[i, c] = acc_dq[i, c] * scale * T.exp(g_s[(i // NS) * NS, c])
-            for r in range(1, nsub):
-                r0 = r * NS
-                for i, j in T.Parallel(BT, BT):
-                    a_s[i, j] = T.cast(T.if_then_else((i // NS == r) & (j < r0), da_s[i, j], 0.0), dtype)
-                for i, c in T.Parallel(BT, K):
-                    x_s[i, c] = T.if_then_else(
-                        i < r0, T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[r0, c] - g_s[i, c]), dtype), T.cast(0, dtype)
-                    )
-                T.gemm(a_s, x_s, acc_dq)
-            for i, c in T.Parallel(BT, K):
-                acc_dq[i, c] = acc_dq[i, c] * T.exp(g_s[i, c] - g_s[(i // NS) * NS, c])
-            # dk: rescaled to the last row n of each sub-chunk, the blocks below the diagonal by GEMMs
-            for i, c in T.Parallel(BT, K):
-                acc_dk[i, c] = acc_dk[i, c] * T.exp(g_s[BT - 1, c] - g_s[(i // NS) * NS + NS - 1, c])
-            for r in range(nsub - 1):
-                n1 = r * NS + NS - 1
-                for i, j in T.Parallel(BT, BT):
-                    a_s[i, j] = T.cast(T.if_then_else((j // NS == r) & (i > n1), da_s[i, j], 0.0), dtype)
-                for i, c in T.Parallel(BT, K):
-                    x_s[i, c] = T.if_then_else(
-                        i > n1, T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[n1, c]), dtype), T.cast(0, dtype)
-                    )
-                T.gemm(a_s, x_s, acc_dk, transpose_A=True)
-            for i, c in T.Parallel(BT, K):
-                acc_dk[i, c] = acc_dk[i, c] * T.exp(g_s[(i // NS) * NS + NS - 1, c] - g_s[i, c])
-            # diagonal blocks, elementwise (jj outer: each thread's elements are independent chains)
-            for jj in T.serial(NS):
-                for i, c in T.Parallel(BT, K):
-                    acc_dq[i, c] += T.if_then_else(
-                        (i // NS) * NS + jj <= i,
-                        da_s[i, (i // NS) * NS + jj] * T.cast(k_s[(i // NS) * NS + jj, c], acc)
-                        * T.exp(g_s[i, c] - g_s[(i // NS) * NS + jj, c]),
-                        0.0,
-                    )
-                    acc_dk[i, c] += T.if_then_else(
-                        (i // NS) * NS + jj >= i,
-                        da_s[(i // NS) * NS + jj, i] * T.cast(q_s[(i // NS) * NS + jj, c], acc)
-                        * T.exp(g_s[(i // NS) * NS + jj, c] - g_s[i, c]),
-                        0.0,
-                    )
+            if bounded:
+                span_s = T.alloc_shared((1,), acc)
+                chunk_span(g_s, span_s)
+                if span_s[0] < limit:
+                    chunk_wide(q_s, k_s, g_s, x_s, xl_s, y_s, yl_s, a_s, da_s, acc_dq, acc_dk, scale)
+                else:
+                    sub_chunked(q_s, k_s, g_s, x_s, a_s, da_s, acc_dq, acc_dk, scale)
+            else:
+                sub_chunked(q_s, k_s, g_s, x_s, a_s, da_s, acc_dq, acc_dk, scale)
             T.copy(acc_dq, dq[t0 : t0 + BT, ih, 0:K])  # stored from registers
             T.copy(acc_dk, dk[t0 : t0 + BT, ih, 0:K])
             for i, c in T.Parallel(BT, K):  # dG in place of dq
                 acc_dq[i, c] = T.cast(q_s[i, c], acc) * acc_dq[i, c] - T.cast(k_s[i, c], acc) * acc_dk[i, c] + T.if_then_else(
                     i == BT - 1, last_s[c], 0.0
                 )
-            T.copy(acc_dq, dg[t0 : t0 + BT, ih, 0:K])
+            # the reverse cumulative sum within the chunk (dg of the per-step gates), through g_s
+            T.copy(acc_dq, g_s)
+            run = T.alloc_fragment((K,), acc)
+            T.clear(run)
+            for ir in T.serial(BT):
+                for c in T.Parallel(K):
+                    run[c] = run[c] + g_s[BT - 1 - ir, c]
+                    dg[t0 + BT - 1 - ir, ih, c] = run[c]
 
     return main

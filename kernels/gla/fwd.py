@@ -1,13 +1,14 @@
 """GLA forward in TileLang (per-key-channel gates).
 
 Token layout as for simple GLA (`kernels/simple_gla/fwd.py`: flat chunk rows, sequences from
-`cstart`/`ccount`), with `g [L, H, K]` the in-chunk cumulative log gates per key channel
-(`G_i = g_1 + ... + g_i` within each chunk, float32; every `G` is <= 0 and decreasing).
+`cstart`/`ccount`). `chunk_gla_a` reads the per-step log gates `g [L, H, K]` (float32, <= 0) and
+writes their in-chunk cumulative sums `G_i = g_1 + ... + g_i` (`gc`), which the other kernels read
+as `g` (every `G` is <= 0 and decreasing within a chunk).
 
 Nothing exponentiates a whole chunk's gate range: every exponent below is a difference
 `G_a - G_b` with `a` at or after `b`, so every factor is at most 1.
 
-* `chunk_gla_a`: one program per (chunk, head), chunks independent:
+* `chunk_gla_a`: one program per (chunk, head), chunks independent: `G` (written out), and
   `A_ij = scale sum_k q_ik k_jk exp(G_ik - G_jk)` for `j <= i`, 0 above, in float32, stored in the
   input dtype `[NT, H, BT, BT]` (the output pass and the backward's dv read it so). By sub-chunks
   of 16 rows: the blocks left of the diagonal, for row sub-chunk r with first row r0, as one GEMM
@@ -25,17 +26,65 @@ import tilelang.language as T
 NS = 16  # sub-chunk rows
 
 
-def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128, sub: int = NS, bounded: bool = False):
-    """`sub`: the sub-chunk rows (diagonal blocks elementwise, the rest by one GEMM per sub-chunk).
-    `bounded` (an experiment): a chunk whose gate range `max_k (G_0k - G_Ck)` is below `limit`
-    takes one chunk-wide GEMM of `q exp(G - G_0)` and `k exp(G_0 - G)` (the latter as hi + lo
-    halves in the input dtype; its factors reach `exp(limit)`, which the dtype must hold), and only
-    the others take the sub-chunks (as jla's and fla's GLA kernels do)."""
+def half_limit(dtype: str) -> float:
+    """The largest gate range from a chunk's middle row (either way) for which the chunk-wide
+    factors `x exp(+-range)` stay well inside the input dtype's range (fp16 tops out at
+    65504 = exp(11.1) and must leave room for |q|, |k| up to ~1000)."""
+    return 60.0 if dtype == "bfloat16" else 4.0
+
+
+@T.macro
+def chunk_cumsum(g_s):
+    """`g_s [BT, K]` (float32, shared memory) <- its cumulative sum along the rows, in place: a row
+    at a time, each thread's channels a running sum in registers."""
+    BT, K = (int(d) for d in g_s.shape)
+    run = T.alloc_fragment((K,), "float32")
+    T.clear(run)
+    for i in T.unroll(BT):  # unrolled: the loads of later rows issue ahead of the running sum
+        for c in T.Parallel(K):
+            run[c] = run[c] + g_s[i, c]
+            g_s[i, c] = run[c]
+
+
+@T.macro
+def chunk_span(g_s, span_s):
+    """`span_s[0] = max_k max(G_0k - G_mk, G_mk - G_(BT-1)k)` (m = BT // 2) of the chunk's
+    cumulative gates `g_s [BT, K]` (float32, shared memory): the exponent range of the chunk-wide
+    factors `exp(+-(G - G_m))`."""
+    BT, K = (int(d) for d in g_s.shape)
+    span = T.alloc_fragment((K,), "float32")
+    span_max = T.alloc_fragment((1,), "float32")
+    for c in T.Parallel(K):
+        span[c] = T.max(g_s[0, c] - g_s[BT // 2, c], g_s[BT // 2, c] - g_s[BT - 1, c])
+    T.reduce_max(span, span_max, dim=0)
+    for c in T.Parallel(1):
+        span_s[c] = span_max[c]
+
+
+def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128, sub: int = NS, bounded: bool = True,
+                lean: bool = True, split: bool = True, inplace: bool = False):
+    """Two paths, chosen per chunk at run time:
+
+    * chunk-wide (`bounded`, the default), for a chunk whose gate range from its middle row m,
+      `max_k max(G_0k - G_mk, G_mk - G_(BT-1)k)`, is below `half_limit(dtype)`: one GEMM of
+      `q exp(G - G_m)` and `k exp(G_m - G)` (the latter as hi + lo halves in the input dtype with
+      `split`), every factor within `exp(+-half_limit)`; entries above the diagonal, which may
+      overflow, are discarded. jla's fast path (from FlashKDA); with the usual gates every chunk
+      takes it (0.22 against 1.43 ms at 4,4096,16,128 bf16 on an H200).
+    * exact, for the others: by sub-chunks of `sub` rows, the blocks left of the diagonal as one
+      GEMM per row sub-chunk referenced to its first row, the diagonal blocks elementwise in
+      float32; nothing exponentiates more than a sub-chunk's gate range.
+
+    `lean` (the default): the exact path reads k and G as stored (bank conflicts) instead of
+    transposed copies, for less shared memory (two programs per SM at K = 128; K = 256 fits only
+    so). `inplace` (an experiment, 0.43 ms): the chunk-wide operands formed in place of q and k
+    (TileLang then syncs the block at every row group)."""
     del V
     NS = sub
     L, H, NT = T.dynamic("L, H, NT")
     acc = "float32"
-    limit = 60.0 if dtype == "bfloat16" else 8.0  # fp16 tops out at 65504 = exp(11.1)
+    limit = half_limit(dtype)
+    m = BT // 2
 
     @T.macro
     def sub_chunked(q_s, k_s, g_s, qr_s, kr_s, d_s, kt_s, gt_s, acc_a, d_f, scale):
@@ -50,18 +99,27 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
                     i < r0, T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[r0, c] - g_s[i, c]), dtype), T.cast(0, dtype)
                 )
             T.gemm(qr_s, kr_s, acc_a, transpose_B=True)
-        for c, j in T.Parallel(K, BT):
-            kt_s[c, j] = k_s[j, c]
-            gt_s[c, j] = g_s[j, c]
+        if not lean:
+            for c, j in T.Parallel(K, BT):
+                kt_s[c, j] = k_s[j, c]
+                gt_s[c, j] = g_s[j, c]
         T.clear(d_f)
         for c in T.serial(K):  # diagonal blocks: d[i, jj] = A[i, (i // NS) * NS + jj]; channels outer, so
             for i, jj in T.Parallel(BT, NS):  # that each thread's sums are independent chains
-                d_f[i, jj] += T.if_then_else(
-                    (i // NS) * NS + jj <= i,
-                    T.cast(q_s[i, c], acc) * T.cast(kt_s[c, (i // NS) * NS + jj], acc)
-                    * T.exp(g_s[i, c] - gt_s[c, (i // NS) * NS + jj]),
-                    0.0,
-                )
+                if lean:
+                    d_f[i, jj] += T.if_then_else(
+                        (i // NS) * NS + jj <= i,
+                        T.cast(q_s[i, c], acc) * T.cast(k_s[(i // NS) * NS + jj, c], acc)
+                        * T.exp(g_s[i, c] - g_s[(i // NS) * NS + jj, c]),
+                        0.0,
+                    )
+                else:
+                    d_f[i, jj] += T.if_then_else(
+                        (i // NS) * NS + jj <= i,
+                        T.cast(q_s[i, c], acc) * T.cast(kt_s[c, (i // NS) * NS + jj], acc)
+                        * T.exp(g_s[i, c] - gt_s[c, (i // NS) * NS + jj]),
+                        0.0,
+                    )
         T.copy(d_f, d_s)
         for i, j in T.Parallel(BT, BT):
             acc_a[i, j] = T.if_then_else(
@@ -69,16 +127,30 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
             )
 
     @T.macro
-    def chunk_wide(q_s, k_s, g_s, qr_s, kr_s, klo_s, acc_a, scale):
-        for i, c in T.Parallel(BT, K):
-            qr_s[i, c] = T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[0, c]), dtype)
-            kr_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[0, c] - g_s[i, c]), dtype)
-            klo_s[i, c] = T.cast(
-                T.cast(k_s[i, c], acc) * T.exp(g_s[0, c] - g_s[i, c]) - T.cast(kr_s[i, c], acc), dtype
-            )
-        T.clear(acc_a)
-        T.gemm(qr_s, kr_s, acc_a, transpose_B=True)
-        T.gemm(qr_s, klo_s, acc_a, transpose_B=True)
+    def chunk_wide(q_s, k_s, g_s, qr_s, kr_s, acc_a, scale):
+        if inplace:  # q_s <- q exp(G - G_m), k_s <- k exp(G_m - G) (hi) and qr_s <- its lo half
+            for i, c in T.Parallel(BT, K):
+                qr_s[i, c] = T.cast(
+                    T.cast(k_s[i, c], acc) * T.exp(g_s[m, c] - g_s[i, c])
+                    - T.cast(T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[m, c] - g_s[i, c]), dtype), acc),
+                    dtype,
+                )
+                k_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[m, c] - g_s[i, c]), dtype)
+                q_s[i, c] = T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[m, c]), dtype)
+            T.clear(acc_a)
+            T.gemm(q_s, k_s, acc_a, transpose_B=True)
+            T.gemm(q_s, qr_s, acc_a, transpose_B=True)
+        else:  # qr_s <- q exp(G - G_m), kr_s <- k exp(G_m - G) (hi), then q_s <- its lo half
+            for i, c in T.Parallel(BT, K):
+                qr_s[i, c] = T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c] - g_s[m, c]), dtype)
+                kr_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[m, c] - g_s[i, c]), dtype)
+            if split:
+                for i, c in T.Parallel(BT, K):
+                    q_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[m, c] - g_s[i, c]) - T.cast(kr_s[i, c], acc), dtype)
+            T.clear(acc_a)
+            T.gemm(qr_s, kr_s, acc_a, transpose_B=True)
+            if split:
+                T.gemm(qr_s, q_s, acc_a, transpose_B=True)
         for i, j in T.Parallel(BT, BT):
             acc_a[i, j] = T.if_then_else(j <= i, acc_a[i, j] * scale, 0.0)
 
@@ -89,6 +161,7 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
         g: T.Tensor((L, H, K), acc),
         scale: T.float32,
         a: T.Tensor((NT, H, BT, BT), dtype),
+        gc: T.Tensor((L, H, K), acc),
     ):
         with T.Kernel(NT, H, threads=threads) as (it, ih):
             t0 = it * BT
@@ -98,32 +171,25 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
             qr_s = T.alloc_shared((BT, K), dtype)
             kr_s = T.alloc_shared((BT, K), dtype)
             d_s = T.alloc_shared((BT, NS), acc)
-            kt_s = T.alloc_shared((K, BT), dtype)  # k and G transposed for the diagonal blocks: the
-            gt_s = T.alloc_shared((K, BT), acc)  # 16 threads of a row read 16 consecutive words
-            a_s = T.alloc_shared((BT, BT), dtype)
+            kt_s = None if lean else T.alloc_shared((K, BT), dtype)  # k and G transposed for the diagonal
+            gt_s = None if lean else T.alloc_shared((K, BT), acc)  # blocks: a row's 16 threads read 16 consecutive words
             acc_a = T.alloc_fragment((BT, BT), acc)
             d_f = T.alloc_fragment((BT, NS), acc)
             T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
             T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
             T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
+            chunk_cumsum(g_s)
+            T.copy(g_s, gc[t0 : t0 + BT, ih, 0:K])
             if bounded:
-                klo_s = T.alloc_shared((BT, K), dtype)
-                span = T.alloc_fragment((K,), acc)
-                span_max = T.alloc_fragment((1,), acc)
                 span_s = T.alloc_shared((1,), acc)
-                for c in T.Parallel(K):
-                    span[c] = g_s[0, c] - g_s[BT - 1, c]
-                T.reduce_max(span, span_max, dim=0)
-                for c in T.Parallel(1):
-                    span_s[c] = span_max[c]
+                chunk_span(g_s, span_s)
                 if span_s[0] < limit:
-                    chunk_wide(q_s, k_s, g_s, qr_s, kr_s, klo_s, acc_a, scale)
+                    chunk_wide(q_s, k_s, g_s, qr_s, kr_s, acc_a, scale)
                 else:
                     sub_chunked(q_s, k_s, g_s, qr_s, kr_s, d_s, kt_s, gt_s, acc_a, d_f, scale)
             else:
                 sub_chunked(q_s, k_s, g_s, qr_s, kr_s, d_s, kt_s, gt_s, acc_a, d_f, scale)
-            T.copy(acc_a, a_s)
-            T.copy(a_s, a[it, ih, 0:BT, 0:BT])
+            T.copy(acc_a, a[it, ih, 0:BT, 0:BT])
 
     return main
 
