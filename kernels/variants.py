@@ -99,8 +99,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 # Alternative kernel configs built for one variant only, for benchmarks/bench_kernels.py to compare;
 # the dispatch never calls them.
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
-    # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks)
+    # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks). The
+    # sequential passes with V blocks of 32: twice the programs, for grids that leave SMs idle
+    # (2,8192,16,128: 64 programs of BV 64; jla's state pass takes 32); built, not yet run
     ("gla", "fwd", "bf16", 128): (
+        Program(name="x_fused_bv32", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("BV", 32),)),
+        Program(name="x_fused_h_bv32", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
+                config=(("store_h", True), ("BV", 32))),
         Program(name="x_a_exact", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("bounded", False),)),
         Program(name="x_a_nolo", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("split", False),)),
         Program(name="x_a_inplace", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("inplace", True),)),
@@ -108,6 +113,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("gla", "bwd", "bf16", 128): (
         Program(name="x_dqkvg_exact", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
                 outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
+        Program(name="x_dh_bv32", of="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0"), config=(("BV", 32),)),
     ),
     ("delta", "fwd", "bf16", 128): (  # the WY inverse row by row (the default before the blocked one); T stored by TMA
         Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),

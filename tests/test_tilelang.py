@@ -141,6 +141,16 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
+    if op == "gla" and name in ("fused", "fused_h", "dh"):  # the sequential passes: 2 sequences, G per channel
+        q, k, v, do = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D)
+        Gk = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H, D))) * 0.1, jnp.float32), 1).reshape(L, H, D)
+        h0 = jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
+        s = {"scale": np.float32(D**-0.5)}
+        if name == "dh":
+            return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(h0)), (q, do, Gk, h0, cstart, ccount), s
+        a = jnp.tril(x(NT, H, 64, 64).astype(jnp.float32) * 0.1).astype(dtype)
+        h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
+        return (like(v), *h, like(h0)), (q, k, v, Gk, a, h0, cstart, ccount), s
     if op == "gla":  # per-step gates -|N(0, 1)| with chunks 1-2 at -|N(0, 6)|: most chunks bounded, these not
         q, k = x(L, H, D), x(L, H, D)
         steps = -np.abs(rng.standard_normal((NT, 64, H, D))) * np.where(np.isin(np.arange(NT), (1, 2)), 6.0, 1.0)[:, None, None, None]
@@ -373,9 +383,10 @@ def test_gla_export_for_cuda_has_the_custom_calls(K, monkeypatch):
     """GLA and its gradient lower for CUDA to the kernels only: forward = A, then the state pass;
     under a gradient the state pass also stores h, and the backward is the state-gradient pass and
     the fused consumer."""
+    H = 2
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
-    g = jnp.zeros((1, 100, 2, K), jnp.float32)
+    x = jnp.zeros((1, 100, H, K), jnp.bfloat16)
+    g = jnp.zeros((1, 100, H, K), jnp.float32)
 
     def f(q, k, v, g):
         return fla_jax.chunk_gla(q, k, v, g, output_final_state=True, backend="tilelang")
