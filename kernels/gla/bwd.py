@@ -12,11 +12,12 @@ in-chunk cumulative log gates per key channel, float32), plus what the forward s
   chip: `dv = (k * exp(G_C - G)) dh + A^T do`, and accumulated `P = do h^T`, `R = v dh^T`,
   `dA = scale (do v^T)` (j <= i), `sum_v h * dh` per key row. Then
   `dq_ik = scale exp(G_ik) P_ik + sum_{j <= i} dA_ij k_jk exp(G_ik - G_jk)`,
-  `dk_jk = exp(G_Ck - G_jk) R_jk + sum_{i >= j} dA_ij q_ik exp(G_ik - G_jk)`, the sums by 16-row
-  sub-chunks as in the forward: blocks off the diagonal as GEMMs referenced to a row of the
-  sub-chunk (dq: the first row r0 of i's sub-chunk, dk: the last row n of j's), so that
-  `dq = exp(G - G_r0) (scale exp(G_r0) P + dA k exp(G_r0 - G))` has no factor above 1, and the
-  diagonal blocks elementwise. The gate gradient per position and channel
+  `dk_jk = exp(G_Ck - G_jk) R_jk + sum_{i >= j} dA_ij q_ik exp(G_ik - G_jk)`, the sums as one
+  chunk-wide GEMM each where the chunk's gate range is bounded (as in the forward, referenced to
+  the middle row; see `chunk_gla_bwd_dqkvg`), else by 16-row sub-chunks: blocks off the diagonal
+  as GEMMs referenced to a row of the sub-chunk (dq: the first row r0 of i's sub-chunk, dk: the
+  last row n of j's), so that `dq = exp(G - G_r0) (scale exp(G_r0) P + dA k exp(G_r0 - G))` has no
+  factor above 1, and the diagonal blocks elementwise. The gate gradient per position and channel
   `dG = q * dq - k * dk` (+ `exp(G_C) sum_v h * dh + sum_j k_j * exp(G_C - G_j) R_j` at the last
   row) in float32, and its reverse cumulative sum within the chunk is written: `dg`, the gradient
   of the per-step gates.

@@ -5,15 +5,15 @@ Token layout as for simple GLA (`kernels/simple_gla/fwd.py`: flat chunk rows, se
 writes their in-chunk cumulative sums `G_i = g_1 + ... + g_i` (`gc`), which the other kernels read
 as `g` (every `G` is <= 0 and decreasing within a chunk).
 
-Nothing exponentiates a whole chunk's gate range: every exponent below is a difference
-`G_a - G_b` with `a` at or after `b`, so every factor is at most 1.
-
 * `chunk_gla_a`: one program per (chunk, head), chunks independent: `G` (written out), and
-  `A_ij = scale sum_k q_ik k_jk exp(G_ik - G_jk)` for `j <= i`, 0 above, in float32, stored in the
-  input dtype `[NT, H, BT, BT]` (the output pass and the backward's dv read it so). By sub-chunks
-  of 16 rows: the blocks left of the diagonal, for row sub-chunk r with first row r0, as one GEMM
-  of `q_i exp(G_i - G_r0)` (rows of r) and `k_j exp(G_r0 - G_j)` (j < r0); the diagonal blocks
-  elementwise on CUDA cores (`exp(G_ik - G_jk)` per term).
+  `A_ij = scale sum_k q_ik k_jk exp(G_ik - G_jk)` for `j <= i`, 0 above, accumulated in float32,
+  stored in the input dtype `[NT, H, BT, BT]` (the output pass and the backward's dv read it so).
+  A chunk whose gate range from its middle row m is bounded (`chunk_span` below `half_limit`)
+  takes one chunk-wide GEMM of `q exp(G - G_m)` and `k exp(G_m - G)`, every factor within
+  `exp(+-half_limit)`; the others go by sub-chunks of 16 rows, where nothing exponentiates more
+  than a sub-chunk's gate range: the blocks left of the diagonal, for row sub-chunk r with first
+  row r0, as one GEMM of `q_i exp(G_i - G_r0)` (rows of r) and `k_j exp(G_r0 - G_j)` (j < r0),
+  factors at most 1; the diagonal blocks elementwise on CUDA cores (`exp(G_ik - G_jk)` per term).
 * `chunk_gla_fwd`: one program per (V block, sequence * head), chunks in order, the state on
   chip: `o = scale (q * exp(G)) S + A v`, then `S <- Diag(exp(G_C)) S + (k * exp(G_C - G))^T v`.
   Writes `o`, the final states `ht [N, H, K, V]` and with `store_h` the state before every chunk
