@@ -383,10 +383,9 @@ def test_gla_export_for_cuda_has_the_custom_calls(K, monkeypatch):
     """GLA and its gradient lower for CUDA to the kernels only: forward = A, then the state pass;
     under a gradient the state pass also stores h, and the backward is the state-gradient pass and
     the fused consumer."""
-    H = 2
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    x = jnp.zeros((1, 100, H, K), jnp.bfloat16)
-    g = jnp.zeros((1, 100, H, K), jnp.float32)
+    x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
+    g = jnp.zeros((1, 100, 2, K), jnp.float32)
 
     def f(q, k, v, g):
         return fla_jax.chunk_gla(q, k, v, g, output_final_state=True, backend="tilelang")
