@@ -19,6 +19,17 @@ STATE_TOL = 5e-5  # the final state is float32 whatever the inputs
 # dg_gamma [H] is one sum over B*T per-position gate gradients that largely cancel: its relative
 # error is that of a cancelling sum (seen: 6.3e-5 in float32 for H = 1), so it gets 10x.
 SUM_FACTOR = {"dg_gamma": 10.0}
+# dg of a per-head gate (simple GLA, GDN) under strong decay is likewise a sum over the K x V state
+# entries that largely cancel: with float16 inputs the rounding of o and of its cotangent left up to
+# 2.6e-3 in it (GDN 1,65,2,128 at normaliser 0.1, xla and reference alike; 1e-5 to 6e-4 on 20 other
+# seeds), so it gets 5x there.
+STRONG_DECAY_DG_FACTOR = 5.0
+
+
+def _tol_factor(case, name: str) -> float:
+    if name == "dg" and case.op != "gla" and case.norm < 1:
+        return STRONG_DECAY_DG_FACTOR
+    return SUM_FACTOR.get(name, 1.0)
 
 SEED = int(os.environ.get("FLA_JAX_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
@@ -41,6 +52,6 @@ def test_matches_float64_recurrence(case, backend):
     assert set(grads) == set(diff)
     for name in diff:
         assert grads[name].shape == diff[name].shape and grads[name].dtype == diff[name].dtype, name
-        errors["d" + name] = (err_ratio(ref_g[name], grads[name]), tol * SUM_FACTOR.get("d" + name, 1.0))
+        errors["d" + name] = (err_ratio(ref_g[name], grads[name]), tol * _tol_factor(case, "d" + name))
     bad = {n: f"{e:.2e} > {t:.0e}" for n, (e, t) in errors.items() if not e <= t}
     assert not bad, f"seed {seed}: {bad}"
