@@ -84,14 +84,17 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
         variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.programs:
             results, args, attrs = calls[prog.kind]
-            fn = jax.jit(lambda *a, t=variant.target(prog), r=results, kw=attrs: tb._call(t, r, *a, **kw))
-            yield f"{direction}:{prog.name}", fn, args
+            yield f"{direction}:{prog.name}", _kernel(variant.target(prog), results, attrs), args
     if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path
         a_strong, strong = run("fwd", "a", am, q, k, gk * 100, scale=s)
         for direction, name, args in (("fwd", "a", (q, k, gk * 100)), ("bwd", "dqkvg", (q, k, v, strong, a_strong, h, do, h))):
             results, _, attrs = calls[name]
-            target = tb._targets(p, direction, D, D)[name]
-            yield f"{direction}:{name}@strong", jax.jit(lambda *a, t=target, r=results, kw=attrs: tb._call(t, r, *a, **kw)), args
+            yield f"{direction}:{name}@strong", _kernel(tb._targets(p, direction, D, D)[name], results, attrs), args
+
+
+def _kernel(target, results, attrs):
+    """One program as a jitted call of its inputs."""
+    return jax.jit(lambda *a: tb._call(target, results, *a, **attrs))
 
 
 def _with_precision(fn, precision):

@@ -141,27 +141,25 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
-    if op == "gla" and name in ("fused", "fused_h", "dh"):  # the sequential passes: 2 sequences, G per channel
-        q, k, v, do = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D)
-        Gk = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H, D))) * 0.1, jnp.float32), 1).reshape(L, H, D)
-        h0 = jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
-        s = {"scale": np.float32(D**-0.5)}
-        if name == "dh":
-            return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(h0)), (q, do, Gk, h0, cstart, ccount), s
-        a = jnp.tril(x(NT, H, 64, 64).astype(jnp.float32) * 0.1).astype(dtype)
-        h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
-        return (like(v), *h, like(h0)), (q, k, v, Gk, a, h0, cstart, ccount), s
     if op == "gla":  # per-step gates -|N(0, 1)| with chunks 1-2 at -|N(0, 6)|: most chunks bounded, these not
         q, k = x(L, H, D), x(L, H, D)
         steps = -np.abs(rng.standard_normal((NT, 64, H, D))) * np.where(np.isin(np.arange(NT), (1, 2)), 6.0, 1.0)[:, None, None, None]
         Gk = jnp.cumsum(jnp.asarray(steps, jnp.float32), 1).reshape(L, H, D)
+        scale = {"scale": np.float32(D**-0.5)}
         if name == "a":  # from the per-step gates; A and G
             gk = jnp.asarray(steps, jnp.float32).reshape(L, H, D)
-            return (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), like(gk)), (q, k, gk), {"scale": np.float32(D**-0.5)}
+            return (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), like(gk)), (q, k, gk), scale
+        if name == "dh":
+            do, dht = x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
+            return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, Gk, dht, cstart, ccount), scale
+        a = jnp.tril(x(NT, H, 64, 64).astype(jnp.float32) * 0.1).astype(dtype)
         if name == "dqkvg":
-            a = jnp.tril(x(NT, H, 64, 64).astype(jnp.float32) * 0.1).astype(dtype)
             v, do, h, dh = x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
-            return (like(q), like(k), like(v), jax.ShapeDtypeStruct(Gk.shape, jnp.float32)), (q, k, v, Gk, a, h, do, dh), {"scale": np.float32(D**-0.5)}
+            return (like(q), like(k), like(v), like(Gk)), (q, k, v, Gk, a, h, do, dh), scale
+        if name in ("fused", "fused_h"):  # the state pass, 2 sequences
+            v, h0 = x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
+            h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
+            return (like(v), *h, like(h0)), (q, k, v, Gk, a, h0, cstart, ccount), scale
     if op == "delta" and name in ("wy", "wy_t"):
         k = x(L, H, D)
         k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
