@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import inspect
 import json
@@ -60,15 +61,20 @@ def cuda_home() -> Path | None:
 
 def content_key(variant, program) -> str:
     """What a cubin and its launch description depend on: the program's module and the shared
-    kernel sources beside it (`kernels/*.py`: program modules import only from there), the lowering
-    and compile steps of this file, the toolchain flags (handler codegen is redone on every build).
-    So a change to one kernel module rebuilds that module's programs only."""
+    kernel sources beside it (`kernels/*.py`: program modules import only from there; of
+    `variants.py` only how a program calls its builder, so that declaring a program rebuilds
+    nothing else), the lowering and compile steps of this file, the toolchain flags (handler
+    codegen is redone on every build). So a change to one kernel module rebuilds that module's
+    programs only."""
+    from kernels import variants
+
     h = hashlib.sha256()
     module = ROOT / "kernels" / (program.module.replace(".", "/") + ".py")
-    for f in (*sorted((ROOT / "kernels").glob("*.py")), module):
+    for f in (*sorted(f for f in (ROOT / "kernels").glob("*.py") if f.name != "variants.py"), module):
         h.update(f.read_bytes())
-    for fn in (_cexpr, lower_one, compile_cubin):
+    for fn in (_cexpr, lower_one, compile_cubin, variants.Program.prim_func):
         h.update(inspect.getsource(fn).encode())
+    h.update(repr(variants.DTYPES).encode())
     h.update(repr((variant, program, ARCH)).encode())
     return h.hexdigest()[:20]
 
@@ -106,7 +112,10 @@ def lower_one(variant, program, key: str) -> dict:
     target_name = variant.target(program)
     func = program.prim_func(variant)
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    with target:
+    # warp-specialized programs: every warpgroup's shared buffers live at once (TileLang's reuse
+    # planner would overlap buffers of different warpgroups, whose code it sees in sequence)
+    ws = "fla.disable_shared_memory_reuse" in (func.attrs or {})
+    with target, tvm.transform.PassContext(config={"tl.disable_shared_memory_reuse": True}) if ws else contextlib.nullcontext():
         art = tilelang.lower(func, target=target)
     (GEN / f"{target_name}.cu").write_text(art.kernel_source)
 

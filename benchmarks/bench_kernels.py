@@ -47,13 +47,13 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
         calls["dh_bk64"] = calls["dh"]  # K split in two, same inputs and outputs
     elif op == "gla":  # gates per key channel
         gk = jnp.asarray(-np.abs(rng.standard_normal((B * T, H, D))) * 0.1, jnp.float32)  # per step
-        am = (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), like(gk))
-        a, Gk = run("fwd", "a", am, q, k, gk, scale=s)
-        h = run("fwd", "fused_h", (like(v), state, final), q, k, v, Gk, a, h0, cstart, ccount, scale=s)[1]
+        am = (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), like(gk), like(q), like(k))
+        a, Gk, qg, kg = run("fwd", "a", am, q, k, gk, scale=s)
+        h = run("fwd", "fused_h", (like(v), state, final), qg, kg, v, Gk, a, h0, cstart, ccount, scale=s)[1]
         calls = {
             "a": (am, (q, k, gk), {"scale": s}),
-            "fused_h": ((like(v), state, final), (q, k, v, Gk, a, h0, cstart, ccount), {"scale": s}),
-            "fused": ((like(v), final), (q, k, v, Gk, a, h0, cstart, ccount), {"scale": s}),
+            "fused_h": ((like(v), state, final), (qg, kg, v, Gk, a, h0, cstart, ccount), {"scale": s}),
+            "fused": ((like(v), final), (qg, kg, v, Gk, a, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, do, Gk, h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), like(v), like(Gk)), (q, k, v, Gk, a, h, do, h), {"scale": s}),
         }
@@ -86,7 +86,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
             results, args, attrs = calls[prog.kind]
             yield f"{direction}:{prog.name}", _kernel(variant.target(prog), results, attrs), args
     if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path
-        a_strong, strong = run("fwd", "a", am, q, k, gk * 100, scale=s)
+        a_strong, strong = run("fwd", "a", am, q, k, gk * 100, scale=s)[:2]
         for direction, name, args in (("fwd", "a", (q, k, gk * 100)), ("bwd", "dqkvg", (q, k, v, strong, a_strong, h, do, h))):
             results, _, attrs = calls[name]
             yield f"{direction}:{name}@strong", _kernel(tb._targets(p, direction, D, D)[name], results, attrs), args

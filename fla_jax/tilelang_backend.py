@@ -197,10 +197,10 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         ins, extra = (qf, kf, *wy[:2], Gf), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
-    elif p.op == "gla":  # the intra-chunk matrix and G from the per-step gates, read by the state pass (and kept)
-        a, Gf = _call(_targets(p, "fwd", K, V)["a"], (jax.ShapeDtypeStruct((NT, HV, C, C), dt), _like(Gf)), qf, kf, Gf,
-                      scale=np.float32(scale))
-        ins, extra = (qf, kf, vf, Gf, a), ()
+    elif p.op == "gla":  # the intra-chunk matrix, G (both kept) and q exp(G), k exp(G_C - G) for the state pass
+        a, Gf, qg, kg = _call(_targets(p, "fwd", K, V)["a"], (jax.ShapeDtypeStruct((NT, HV, C, C), dt), _like(Gf), _like(qf),
+                              _like(kf)), qf, kf, Gf, scale=np.float32(scale))
+        ins, extra = (qg, kg, vf, Gf, a), ()
         wy = (a.reshape(B, NT // B, *a.shape[1:]), Gf.reshape(B, Lr, *Gf.shape[1:])) if store_h else ()
     else:
         ins, extra = (qf, kf, vf, Gf), ()

@@ -86,7 +86,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
     ("gla", "fwd"): (
-        Program(name="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc")),
+        # A, G, and the state pass's operands q exp(G), k exp(G_C - G)
+        Program(name="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg")),
         Program(name="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht")),
         Program(name="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
     ),
@@ -100,25 +101,40 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 # the dispatch never calls them.
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks). The
-    # sequential passes with V blocks of 32: twice the programs, for grids that leave SMs idle
-    # (2,8192,16,128: 64 programs of BV 64; jla's state pass takes 32); built, not yet run
+    # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when
+    # batch x heads > 32). The state-gradient pass with V blocks of 32 (twice the programs).
     ("gla", "fwd", "bf16", 128): (
-        Program(name="x_fused_bv32", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("BV", 32),)),
-        Program(name="x_fused_h_bv32", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
-                config=(("store_h", True), ("BV", 32))),
-        Program(name="x_a_exact", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("bounded", False),)),
-        Program(name="x_a_nolo", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("split", False),)),
-        Program(name="x_a_inplace", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc"), config=(("inplace", True),)),
+        Program(name="x_fused_bv128", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
+        Program(name="x_fused_h_bv128", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
+                config=(("store_h", True), ("BV", 128))),
+        Program(name="x_a_exact", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
+                config=(("bounded", False),)),
+        Program(name="x_a_nolo", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
+                config=(("split", False),)),
+        Program(name="x_a_inplace", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
+                config=(("inplace", True),)),
     ),
     ("gla", "bwd", "bf16", 128): (
         Program(name="x_dqkvg_exact", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
                 outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
         Program(name="x_dh_bv32", of="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0"), config=(("BV", 32),)),
     ),
-    ("delta", "fwd", "bf16", 128): (  # the WY inverse row by row (the default before the blocked one); T stored by TMA
+    # the WY inverse row by row (the default before the blocked one); T stored by TMA; the state
+    # pass in one warpgroup (the default before the warp-specialized one)
+    ("delta", "fwd", "bf16", 128): (
         Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),
         Program(name="x_wy_t_tma", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("tma_t", True))),
+        Program(name="x_fused_1wg", of="fused", module="delta.fwd", builder="chunk_delta_fwd_1wg", outputs=("o", "vnew", "ht")),
+        Program(name="x_fused_h_1wg", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd_1wg",
+                outputs=("o", "vnew", "h", "ht"), config=(("store_h", True),)),
+    ),
+    # the one-pass forward in one warpgroup (the default before the warp-specialized one); V blocks of 128
+    ("simple_gla", "fwd", "bf16", 128): (
+        Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht")),
+        Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
+                config=(("store_h", True),)),
+        Program(name="x_fused_bv128", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
     ),
 }
 

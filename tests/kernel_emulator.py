@@ -43,9 +43,10 @@ def _ownership(NT, cstart, ccount):
     return seq, valid & (c == cstart[seq]), valid & (c == cstart[seq] + ccount[seq] - 1)
 
 
-def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0):
+def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0, decayed=False):
     """Forward (a = k, b = v): states before each chunk and after each sequence; reverse (a = q,
-    b = do, s0 = dht): state gradients after each chunk and before each sequence."""
+    b = do, s0 = dht): state gradients after each chunk and before each sequence. `decayed`: `a`
+    is `k exp(G_C - G)` already (GLA's state pass)."""
     ac, bc, Gc = _chunks(a)[0], _chunks(b)[0], _chunks(G)[0]  # [NT, C, H, .]
     NT = ac.shape[0]
     per_channel = Gc.ndim == 4  # GLA: G [NT, C, H, K]
@@ -60,7 +61,7 @@ def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0):
         if reverse:
             upd = scale * jnp.einsum("chk,chv->hkv", ac[n] * col(jnp.exp(g)), bc[n])
         else:
-            upd = jnp.einsum("chk,chv->hkv", ac[n] * col(jnp.exp(glast[None] - g)), bc[n])
+            upd = jnp.einsum("chk,chv->hkv", ac[n] if decayed else ac[n] * col(jnp.exp(glast[None] - g)), bc[n])
         out = (jnp.exp(glast)[..., None] if per_channel else jnp.exp(glast)[:, None, None]) * S + upd
         return out, (S, out)
 
@@ -130,25 +131,27 @@ def _gla_decay(Gc):
 
 
 def gla_a(q, k, g, *, scale):
-    """kernels/gla/fwd.py `chunk_gla_a`: `A [NT, H, C, C]` in the input dtype, and `G` (the
-    in-chunk cumulative sums of the per-step gates `g`)."""
+    """kernels/gla/fwd.py `chunk_gla_a`: `A [NT, H, C, C]` in the input dtype, `G` (the in-chunk
+    cumulative sums of the per-step gates `g`), and the state pass's `q exp(G)`, `k exp(G_C - G)`
+    in the input dtype."""
     qc, kc, Gc = _chunks(q), _chunks(k), jnp.cumsum(_chunks(g), axis=2)
     A = scale * jnp.einsum("bnihk,bnjhk,bnijhk->bnhij", qc, kc, _gla_decay(Gc))
-    return A[0].astype(q.dtype), Gc.reshape(g.shape)
+    qg, kg = qc * jnp.exp(Gc), kc * jnp.exp(Gc[:, :, -1:] - Gc)
+    return A[0].astype(q.dtype), Gc.reshape(g.shape), qg.reshape(q.shape).astype(q.dtype), kg.reshape(k.shape).astype(k.dtype)
 
 
-def gla_fwd_fused_h(q, k, v, G, a, h0, cstart, ccount, *, scale):
-    h, ht = _scan_states(k, v, G, h0, cstart, ccount)
-    h = _unwritten(h.astype(q.dtype), cstart, ccount, False)
-    qc, vc, Gc = _chunks(q), _chunks(v), _chunks(G)
-    o = scale * jnp.einsum("bnihk,nhkv->bnihv", qc * jnp.exp(Gc), h.astype(f32))
-    o += jnp.einsum("nhij,bnjhv->bnihv", a.astype(f32), vc)
-    o = o.reshape(q.shape[0], *o.shape[3:]).astype(q.dtype)
+def gla_fwd_fused_h(qg, kg, v, G, a, h0, cstart, ccount, *, scale):
+    """kernels/gla/fwd.py `chunk_gla_fwd`, from `q exp(G)` and `k exp(G_C - G)`."""
+    h, ht = _scan_states(kg, v, G, h0, cstart, ccount, decayed=True)
+    h = _unwritten(h.astype(qg.dtype), cstart, ccount, False)
+    o = scale * jnp.einsum("bnihk,nhkv->bnihv", _chunks(qg), h.astype(f32))
+    o += jnp.einsum("nhij,bnjhv->bnihv", a.astype(f32), _chunks(v))
+    o = o.reshape(qg.shape[0], *o.shape[3:]).astype(qg.dtype)
     return _unwritten(o, cstart, ccount, True), h, ht
 
 
-def gla_fwd_fused(q, k, v, G, a, h0, cstart, ccount, *, scale):
-    o, _, ht = gla_fwd_fused_h(q, k, v, G, a, h0, cstart, ccount, scale=scale)
+def gla_fwd_fused(qg, kg, v, G, a, h0, cstart, ccount, *, scale):
+    o, _, ht = gla_fwd_fused_h(qg, kg, v, G, a, h0, cstart, ccount, scale=scale)
     return o, ht
 
 

@@ -21,8 +21,10 @@ import tilelang.language as T
 from kernels.common import chunk_output_and_update
 
 
-def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                    stages: int | None = None, store_h: bool = False):
+def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
+                        stages: int | None = None, store_h: bool = False):
+    """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched forward
+    before `chunk_delta_fwd`, kept as the experiment `x_fused_1wg`."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     threads = threads or (256 if K > 128 else 128)
@@ -110,3 +112,155 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, None)
 
     return main
+
+
+def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
+                    store_h: bool = False):
+    """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
+    (V block, sequence * value head) program.
+
+    * warpgroup 2 streams each chunk's q, k, w, u (TMA) and G into `stages` buffers (two; one at
+      K = 256, where two would exceed 227 KB of shared memory);
+    * warpgroup 0 keeps `S` (float32) in registers and runs the chain: it publishes `S` in the
+      input dtype to shared memory, forms `v_new = u - w S` there (and stores it, with `h` under
+      `store_h`, by TMA stores that run while it works), then
+      `S <- exp(G_C) S + k^T (v_new * exp(G_C - G))`;
+    * warpgroup 1 computes `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while warpgroup 0 works,
+      then `o = scale (q * exp(G)) S + P v_new` from the published tiles, and stores it."""
+    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    acc = "float32"
+    stages = stages or (2 if K <= 128 else 1)
+
+    @T.macro
+    def body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h):
+        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=384) as (iv, inh):
+            n = inh // HV
+            ihv = inh % HV
+            ih = ihv // (HV // H)
+            q_s = T.alloc_shared((stages, BT, K), dtype)
+            k_s = T.alloc_shared((stages, BT, K), dtype)
+            w_s = T.alloc_shared((stages, BT, K), dtype)
+            u_s = T.alloc_shared((stages, BT, BV), dtype)
+            g_s = T.alloc_shared((stages, BT), acc)
+            h_s = T.alloc_shared((K, BV), dtype)
+            vn_s = T.alloc_shared((BT, BV), dtype)
+            vd_s = T.alloc_shared((BT, BV), dtype)
+            p_s = T.alloc_shared((BT, BT), dtype)
+            o_s = T.alloc_shared((BT, BV), dtype)
+            b_h = T.alloc_fragment((K, BV), acc)
+            acc_v = T.alloc_fragment((BT, BV), acc)
+            acc_o = T.alloc_fragment((BT, BV), acc)
+            acc_s = T.alloc_fragment((BT, BT), acc)
+            full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
+            free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
+            s_ready = T.alloc_barrier([128])  # warpgroup 0 published S and v_new
+            s_free = T.alloc_barrier([128])  # warpgroup 1 has read them
+            c0 = cstart[n]
+            nc = ccount[n]
+            with T.ws(2):
+                T.set_max_nreg(40, 0)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    if i >= stages:
+                        T.barrier_wait(free[slot], (i // stages + 1) % 2)
+                    t0 = (c0 + i) * BT
+                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(w[t0 : t0 + BT, ihv, 0:K], w_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(u[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], u_s[slot, :, :], barrier=full[slot])
+                    T.copy(g[t0 : t0 + BT, ihv], g_s[slot, :], disable_tma=True)
+                    T.barrier_arrive(full[slot])
+            with T.ws(0):
+                T.set_max_nreg(232, 1)
+                T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    t0 = (c0 + i) * BT
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    if i >= 1:  # warpgroup 1 and the stores of the previous chunk have read h_s and vn_s
+                        T.barrier_wait(s_free[0], (i + 1) % 2)
+                        T.tma_store_wait()
+                        T.sync_threads(8, 128)
+                    T.copy(b_h, h_s)
+                    T.clear(acc_v)
+                    T.gemm(w_s[slot, :, :], h_s, acc_v)
+                    for r, c in T.Parallel(BT, BV):
+                        acc_v[r, c] = T.cast(u_s[slot, r, c], acc) - acc_v[r, c]
+                    T.copy(acc_v, vn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_ready[0])
+                    T.sync_threads(8, 128)
+                    T.tma_copy(vn_s, vnew[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+                    if store_h:
+                        T.tma_copy(h_s, h[c0 + i, ihv, 0:K, iv * BV : (iv + 1) * BV])
+                    for r, c in T.Parallel(BT, BV):
+                        vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                    for r, c in T.Parallel(K, BV):
+                        b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                    T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
+                    T.barrier_arrive(free[slot])
+                T.tma_store_wait()
+                T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+            with T.ws(1):
+                T.set_max_nreg(232, 1)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    t0 = (c0 + i) * BT
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    T.clear(acc_s)
+                    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+                    for r, c in T.Parallel(BT, BT):
+                        acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
+                    T.copy(acc_s, p_s)
+                    T.barrier_wait(s_ready[0], i % 2)
+                    T.clear(acc_o)
+                    T.gemm(q_s[slot, :, :], h_s, acc_o)
+                    for r, c in T.Parallel(BT, BV):
+                        acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
+                    T.gemm(p_s, vn_s, acc_o)
+                    T.barrier_arrive(s_free[0])
+                    T.barrier_arrive(free[slot])
+                    T.copy(acc_o, o_s)
+                    T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+
+    if store_h:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            h0: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, HV, V), dtype),
+            vnew: T.Tensor((L, HV, V), dtype),
+            h: T.Tensor((NT, HV, K, V), dtype),
+            ht: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            h0: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, HV, V), dtype),
+            vnew: T.Tensor((L, HV, V), dtype),
+            ht: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, None)
+
+    # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
+    return main.with_attr("fla.disable_shared_memory_reuse", 1)

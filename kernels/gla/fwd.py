@@ -162,6 +162,8 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
         scale: T.float32,
         a: T.Tensor((NT, H, BT, BT), dtype),
         gc: T.Tensor((L, H, K), acc),
+        qg: T.Tensor((L, H, K), dtype),
+        kg: T.Tensor((L, H, K), dtype),
     ):
         with T.Kernel(NT, H, threads=threads) as (it, ih):
             t0 = it * BT
@@ -180,6 +182,9 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
             T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
             chunk_cumsum(g_s)
             T.copy(g_s, gc[t0 : t0 + BT, ih, 0:K])
+            for i, c in T.Parallel(BT, K):  # the state pass's operands, rounded as its GEMMs take them
+                qg[t0 + i, ih, c] = T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c]), dtype)
+                kg[t0 + i, ih, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[BT - 1, c] - g_s[i, c]), dtype)
             if bounded:
                 span_s = T.alloc_shared((1,), acc)
                 chunk_span(g_s, span_s)
@@ -194,62 +199,102 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
     return main
 
 
-def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                  stages: int | None = None, store_h: bool = False):
+def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h: bool = False):
+    """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
+    (V block, sequence * head) program.
+
+    * warpgroup 2 streams each chunk's `qg`, `kg`, `v`, `A` and `G_C` (the last row of `g`) with
+      TMA into two stages;
+    * warpgroup 0 keeps `S` (float32) in registers and runs only the chain: it publishes `S` in the
+      input dtype to shared memory (and, with `store_h`, to `h` by a TMA store that runs while it
+      works), then `S <- Diag(exp(G_C)) S + kg^T v`;
+    * warpgroup 1 computes `o = scale qg S + A v` from the published state and stores it.
+
+    `qg = q exp(G)` and `kg = k exp(G_C - G)` come from `chunk_gla_a`, rounded to the input dtype
+    as the GEMMs take them, so this pass reads neither q, k nor the float32 gates of every row."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
-    threads = threads or (256 if K > 128 else 128)
-    stages = stages or (2 if K <= 128 else 1)  # K = 256: two stages would exceed 227 KB of shared memory
 
     @T.macro
-    def body(q, k, v, g, a, h0, cstart, ccount, scale, o, ht, h):
-        with T.Kernel(T.ceildiv(V, BV), N * H, threads=threads) as (iv, inh):
+    def body(qg, kg, v, g, a, h0, cstart, ccount, scale, o, ht, h):
+        with T.Kernel(T.ceildiv(V, BV), N * H, threads=384) as (iv, inh):
             n = inh // H
             ih = inh % H
-            b_h = T.alloc_fragment((K, BV), acc)
-            h_s = T.alloc_shared((K, BV), dtype)
-            q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
-            g_s = T.alloc_shared((BT, K), acc)
-            v_s = T.alloc_shared((BT, BV), dtype)
-            a_s = T.alloc_shared((BT, BT), dtype)
-            x_s = T.alloc_shared((BT, K), dtype)  # q * exp(G), then k * exp(G_C - G)
+            kg_s = T.alloc_shared((2, BT, K), dtype)
+            qg_s = T.alloc_shared((2, BT, K), dtype)
+            v_s = T.alloc_shared((2, BT, BV), dtype)
+            a_s = T.alloc_shared((2, BT, BT), dtype)
+            gl_s = T.alloc_shared((2, K), acc)
+            s_s = T.alloc_shared((K, BV), dtype)
             o_s = T.alloc_shared((BT, BV), dtype)
+            b_h = T.alloc_fragment((K, BV), acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
+            full = T.alloc_barrier([128, 128])  # a stage's loads landed (producer threads + TMA bytes)
+            free = T.alloc_barrier([256, 256])  # both consumers are done with a stage
+            s_ready = T.alloc_barrier([128])  # warpgroup 0 published S
+            s_free = T.alloc_barrier([128])  # warpgroup 1 has read it
             c0 = cstart[n]
-            T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
-            for i in T.Pipelined(ccount[n], num_stages=stages):
-                t0 = (c0 + i) * BT
-                T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
-                T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
-                T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
-                T.copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s)
-                T.copy(a[c0 + i, ih, 0:BT, 0:BT], a_s)
-                T.copy(b_h, h_s)
+            nc = ccount[n]
+            with T.ws(2):
+                T.set_max_nreg(40, 0)
+                for i in T.serial(nc):
+                    slot = i % 2
+                    if i >= 2:
+                        T.barrier_wait(free[slot], (i // 2 + 1) % 2)
+                    t0 = (c0 + i) * BT
+                    T.tma_copy(kg[t0 : t0 + BT, ih, 0:K], kg_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(qg[t0 : t0 + BT, ih, 0:K], qg_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(a[c0 + i, ih, 0:BT, 0:BT], a_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(g[t0 + BT - 1, ih, 0:K], gl_s[slot, :], barrier=full[slot])
+                    T.barrier_arrive(full[slot])
+            with T.ws(0):
+                T.set_max_nreg(232, 1)
+                T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                for i in T.serial(nc):
+                    slot = i % 2
+                    T.barrier_wait(full[slot], (i // 2) % 2)
+                    if i >= 1:
+                        T.barrier_wait(s_free[0], (i + 1) % 2)
+                        if store_h:  # the previous state's store has read s_s
+                            T.tma_store_wait()
+                            T.sync_threads(8, 128)
+                    T.copy(b_h, s_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_ready[0])
+                    if store_h:
+                        T.sync_threads(8, 128)
+                        T.tma_copy(s_s, h[c0 + i, ih, 0:K, iv * BV : (iv + 1) * BV])
+                    for r, c in T.Parallel(K, BV):
+                        b_h[r, c] = b_h[r, c] * T.exp(gl_s[slot, r])
+                    T.gemm(kg_s[slot, :, :], v_s[slot, :, :], b_h, transpose_A=True)
+                    T.barrier_arrive(free[slot])
                 if store_h:
-                    T.copy(h_s, h[c0 + i, ih, 0:K, iv * BV : (iv + 1) * BV])
-                for r, c in T.Parallel(BT, K):
-                    x_s[r, c] = T.cast(T.cast(q_s[r, c], acc) * T.exp(g_s[r, c]), dtype)
-                T.clear(acc_o)
-                T.gemm(x_s, h_s, acc_o)
-                for r, c in T.Parallel(BT, BV):
-                    acc_o[r, c] = acc_o[r, c] * scale
-                T.gemm(a_s, v_s, acc_o)
-                T.copy(acc_o, o_s)
-                T.copy(o_s, o[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV])
-                for r, c in T.Parallel(BT, K):
-                    x_s[r, c] = T.cast(T.cast(k_s[r, c], acc) * T.exp(g_s[BT - 1, c] - g_s[r, c]), dtype)
-                for r, c in T.Parallel(K, BV):
-                    b_h[r, c] = b_h[r, c] * T.exp(g_s[BT - 1, r])
-                T.gemm(x_s, v_s, b_h, transpose_A=True)
-            T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+                    T.tma_store_wait()
+                T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+            with T.ws(1):
+                T.set_max_nreg(232, 1)
+                for i in T.serial(nc):
+                    slot = i % 2
+                    t0 = (c0 + i) * BT
+                    T.barrier_wait(full[slot], (i // 2) % 2)
+                    T.barrier_wait(s_ready[0], i % 2)
+                    T.clear(acc_o)
+                    T.gemm(qg_s[slot, :, :], s_s, acc_o)
+                    T.barrier_arrive(s_free[0])
+                    for r, c in T.Parallel(BT, BV):
+                        acc_o[r, c] = acc_o[r, c] * scale
+                    T.gemm(a_s[slot, :, :], v_s[slot, :, :], acc_o)
+                    T.barrier_arrive(free[slot])
+                    T.copy(acc_o, o_s)
+                    T.copy(o_s, o[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV])
 
     if store_h:
 
         @T.prim_func
         def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
+            qg: T.Tensor((L, H, K), dtype),
+            kg: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, H, V), dtype),
             g: T.Tensor((L, H, K), acc),
             a: T.Tensor((NT, H, BT, BT), dtype),
@@ -261,14 +306,14 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
             h: T.Tensor((NT, H, K, V), dtype),
             ht: T.Tensor((N, H, K, V), acc),
         ):
-            body(q, k, v, g, a, h0, cstart, ccount, scale, o, ht, h)
+            body(qg, kg, v, g, a, h0, cstart, ccount, scale, o, ht, h)
 
     else:
 
         @T.prim_func
         def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
+            qg: T.Tensor((L, H, K), dtype),
+            kg: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, H, V), dtype),
             g: T.Tensor((L, H, K), acc),
             a: T.Tensor((NT, H, BT, BT), dtype),
@@ -279,6 +324,7 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
             o: T.Tensor((L, H, V), dtype),
             ht: T.Tensor((N, H, K, V), acc),
         ):
-            body(q, k, v, g, a, h0, cstart, ccount, scale, o, ht, None)
+            body(qg, kg, v, g, a, h0, cstart, ccount, scale, o, ht, None)
 
-    return main
+    # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
+    return main.with_attr("fla.disable_shared_memory_reuse", 1)

@@ -8,11 +8,13 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
 * `chunk_fwd`: the forward in one pass, one program per (V block, sequence * head), chunks in
   order, the state kept on chip; per chunk
   `o = scale (q * exp(G)) S + (scale Q K^T * exp(G_i - G_j), j <= i) v`, then
-  `S <- exp(G_C) S + (k * exp(G_C - G))^T v`. Writes `o` and the final states `ht [N, H, K, V]`;
+  `S <- exp(G_C) S + k^T (v * exp(G_C - G))`. Writes `o` and the final states `ht [N, H, K, V]`;
   with `store_h` (the forward of a gradient computation) also the state before every chunk,
   `h [NT, H, K, V]` in the input dtype, which the backward reads instead of recomputing it.
-  (It replaced a two-kernel forward, states to HBM then the output: 0.169 + 0.152 ms against
-  0.231 ms for this one at 4,4096,16,128 bf16 on an H200.)
+  Warp-specialized: a producer warpgroup loads, one warpgroup runs the state chain, one the
+  output (see its docstring). (The one-pass design replaced a two-kernel forward, states to HBM
+  then the output: 0.169 + 0.152 ms against 0.231 ms at 4,4096,16,128 bf16 on an H200; the
+  one-warpgroup version of it is kept as `chunk_fwd_1wg`.)
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
@@ -25,10 +27,11 @@ def _threads(K: int) -> int:
     return 256 if K > 128 else 128
 
 
-def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None, stages: int = 2,
-              store_h: bool = False):
-    """The one-pass forward; `store_h` adds the output `h [NT, H, K, V]` (the state before every
-    chunk, input dtype) that the backward reads instead of recomputing it."""
+def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None, stages: int = 2,
+                  store_h: bool = False):
+    """The one-pass forward with one warpgroup doing everything (TileLang's pipeline adds a
+    producer); the dispatched forward before `chunk_fwd`, kept as the experiment `x_fused_1wg`.
+    `store_h` adds the output `h [NT, H, K, V]` (the state before every chunk, input dtype)."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
     threads = threads or _threads(K)
@@ -100,3 +103,136 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads
             body(q, k, v, g, h0, cstart, ccount, scale, o, ht, None)
 
     return main
+
+
+def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h: bool = False):
+    """The one-pass forward, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
+    (V block, sequence * head) program.
+
+    * warpgroup 2 streams each chunk's q, k, v (TMA) and G into two stages;
+    * warpgroup 0 keeps `S` (float32) in registers and runs only the chain: it publishes `S` in
+      the input dtype to shared memory (and, with `store_h`, to `h` by a TMA store that runs
+      while it works), then `S <- exp(G_C) S + k^T (v * exp(G_C - G))`;
+    * warpgroup 1 computes `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while warpgroup 0 works,
+      then `o = scale (q * exp(G)) S + P v` from the published state, and stores it."""
+    L, H, N, NT = T.dynamic("L, H, N, NT")
+    acc = "float32"
+
+    @T.macro
+    def body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h):
+        with T.Kernel(T.ceildiv(V, BV), N * H, threads=384) as (iv, inh):
+            n = inh // H
+            ih = inh % H
+            q_s = T.alloc_shared((2, BT, K), dtype)
+            k_s = T.alloc_shared((2, BT, K), dtype)
+            v_s = T.alloc_shared((2, BT, BV), dtype)
+            g_s = T.alloc_shared((2, BT), acc)
+            h_s = T.alloc_shared((K, BV), dtype)
+            vd_s = T.alloc_shared((BT, BV), dtype)
+            p_s = T.alloc_shared((BT, BT), dtype)
+            o_s = T.alloc_shared((BT, BV), dtype)
+            b_h = T.alloc_fragment((K, BV), acc)
+            acc_o = T.alloc_fragment((BT, BV), acc)
+            acc_s = T.alloc_fragment((BT, BT), acc)
+            full = T.alloc_barrier([128, 128])  # a stage's loads landed (producer threads + TMA bytes)
+            free = T.alloc_barrier([256, 256])  # both consumers are done with a stage
+            s_ready = T.alloc_barrier([128])  # warpgroup 0 published S
+            s_free = T.alloc_barrier([128])  # warpgroup 1 has read it
+            c0 = cstart[n]
+            nc = ccount[n]
+            with T.ws(2):
+                T.set_max_nreg(40, 0)
+                for i in T.serial(nc):
+                    slot = i % 2
+                    if i >= 2:
+                        T.barrier_wait(free[slot], (i // 2 + 1) % 2)
+                    t0 = (c0 + i) * BT
+                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
+                    T.copy(g[t0 : t0 + BT, ih], g_s[slot, :], disable_tma=True)
+                    T.barrier_arrive(full[slot])
+            with T.ws(0):
+                T.set_max_nreg(232, 1)
+                T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                for i in T.serial(nc):
+                    slot = i % 2
+                    T.barrier_wait(full[slot], (i // 2) % 2)
+                    if i >= 1:
+                        T.barrier_wait(s_free[0], (i + 1) % 2)
+                        if store_h:  # the previous state's store has read h_s
+                            T.tma_store_wait()
+                            T.sync_threads(8, 128)
+                    T.copy(b_h, h_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_ready[0])
+                    if store_h:
+                        T.sync_threads(8, 128)
+                        T.tma_copy(h_s, h[c0 + i, ih, 0:K, iv * BV : (iv + 1) * BV])
+                    for r, c in T.Parallel(BT, BV):
+                        vd_s[r, c] = T.cast(T.cast(v_s[slot, r, c], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                    for r, c in T.Parallel(K, BV):
+                        b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                    T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
+                    T.barrier_arrive(free[slot])
+                if store_h:
+                    T.tma_store_wait()
+                T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+            with T.ws(1):
+                T.set_max_nreg(232, 1)
+                for i in T.serial(nc):
+                    slot = i % 2
+                    t0 = (c0 + i) * BT
+                    T.barrier_wait(full[slot], (i // 2) % 2)
+                    T.clear(acc_s)
+                    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+                    for r, c in T.Parallel(BT, BT):
+                        acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
+                    T.copy(acc_s, p_s)
+                    T.barrier_wait(s_ready[0], i % 2)
+                    T.clear(acc_o)
+                    T.gemm(q_s[slot, :, :], h_s, acc_o)
+                    T.barrier_arrive(s_free[0])
+                    for r, c in T.Parallel(BT, BV):
+                        acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
+                    T.gemm(p_s, v_s[slot, :, :], acc_o)
+                    T.barrier_arrive(free[slot])
+                    T.copy(acc_o, o_s)
+                    T.copy(o_s, o[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV])
+
+    if store_h:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, H, V), dtype),
+            g: T.Tensor((L, H), acc),
+            h0: T.Tensor((N, H, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, H, V), dtype),
+            h: T.Tensor((NT, H, K, V), dtype),
+            ht: T.Tensor((N, H, K, V), acc),
+        ):
+            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, H, V), dtype),
+            g: T.Tensor((L, H), acc),
+            h0: T.Tensor((N, H, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, H, V), dtype),
+            ht: T.Tensor((N, H, K, V), acc),
+        ):
+            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, None)
+
+    return main.with_attr("fla.disable_shared_memory_reuse", 1)
