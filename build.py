@@ -117,6 +117,9 @@ def lower_one(variant, program, key: str) -> dict:
     ws = "fla.disable_shared_memory_reuse" in (func.attrs or {})
     with target, tvm.transform.PassContext(config={"tl.disable_shared_memory_reuse": True}) if ws else contextlib.nullcontext():
         art = tilelang.lower(func, target=target)
+    if ws and art.kernel_source.count("__syncthreads()") > 1:  # one after the barrier set-up; any other
+        # is reached by some warpgroups only, after the producer waits on the consumers: a deadlock
+        raise RuntimeError(f"{target_name}: TileLang synced the whole block inside the warp-specialized part")
     (GEN / f"{target_name}.cu").write_text(art.kernel_source)
 
     params = []

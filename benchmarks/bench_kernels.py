@@ -18,11 +18,11 @@ from fla_jax import tilelang_backend as tb
 from fla_jax._problem import Problem
 
 
-def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
+def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     """(name, jitted call, args) for every program of the simple GLA (`op="simple_gla"`), GLA
     (`"gla"`) or delta rule (`op="delta"`) forward and backward variants (experimental configs included), on the flat
     chunk layout the backend hands them (B sequences of T tokens); for the delta rule also the two
-    XLA parts of its backward (the per-chunk VJP and the WY VJP)."""
+    XLA parts of its backward (the per-chunk VJP and the WY VJP) unless `xla` is false."""
     NT = B * T // 64
     rng = np.random.default_rng(0)
     x = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
@@ -44,7 +44,6 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
             "dh": ((state, final), (q, do, G, h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, h), {"scale": s}),
         }
-        calls["dh_bk64"] = calls["dh"]  # K split in two, same inputs and outputs
     elif op == "gla":  # gates per key channel
         gk = jnp.asarray(-np.abs(rng.standard_normal((B * T, H, D))) * 0.1, jnp.float32)  # per step
         am = (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), like(gk), like(q), like(k))
@@ -76,7 +75,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla"):
         local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])
         dw, du = (jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (w, u))
         presets = jax.lax.DotAlgorithmPreset
-        for prec in (tb.VJP_PRECISION, jax.lax.Precision.HIGHEST, presets.BF16_BF16_F32_X6, presets.BF16_BF16_F32):
+        for prec in (tb.VJP_PRECISION, jax.lax.Precision.HIGHEST, presets.BF16_BF16_F32_X6, presets.BF16_BF16_F32)[: 4 * xla]:
             name = getattr(prec, "name", str(prec))
             yield f"xla:local_vjp:{name}", _with_precision(local, prec), (f32(q), f32(k), f32(w), f32(u), G, h, f32(do), f32(h))
             yield f"xla:wy_vjp:{name}", _with_precision(lambda *a: tb._wy_vjp(64, *a), prec), (Tm, k, v, G, beta, dw, du)
@@ -115,12 +114,13 @@ def main(argv=None):
     ap.add_argument("--shapes", default="4x4096x16x128,2x8192x16x128,4x4096x8x256,8x2048x16x64")
     ap.add_argument("--ops", default="simple_gla", help="comma-separated: simple_gla, gla, delta")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-xla", action="store_true", help="delta: skip the XLA parts of the backward")
     args = ap.parse_args(argv)
     rows = []
     for shape in args.shapes.split(","):
         B, T, H, D = (int(n) for n in shape.split("x"))
         for op in args.ops.split(","):
-            for name, fn, a in programs(B, T, H, D, op=op):
+            for name, fn, a in programs(B, T, H, D, op=op, xla=not args.no_xla):
                 row = {"shape": shape, "op": op, "program": name}
                 try:
                     row["ms"] = round(_jax_time(fn, a), 4)

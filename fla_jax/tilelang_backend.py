@@ -53,11 +53,6 @@ DELTA_WY_BWD_KERNEL = True
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
 VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
-# The simple GLA state-gradient pass splits K = 128 in two (`dh_bk64`, twice the programs) when
-# sequences x heads x V blocks is at most this, half of an H100/H200's 132 SMs: 0.259 against
-# 0.305 ms at 2,8192,16,128 bf16 (64 programs), 0.258 against 0.184 at 4,4096,16,128 (128).
-SPLIT_K_PROGRAMS = 66
-
 # Test hook: when True, every kernel writes into NaN-filled buffers (see `_call`), so an output
 # element that a kernel leaves unwritten shows up as NaN.
 POISON_OUTPUTS = False
@@ -148,8 +143,8 @@ def _token_layouts(p: Problem) -> tuple[str, ...]:
 def _stored_layouts(p: Problem) -> tuple[str, ...]:
     """What the forward stores for the backward besides h: for the delta rules the WY
     preparation's w, u (per token) and T (per chunk), and v_new (per token); for GLA the
-    intra-chunk matrix A (per chunk) and the in-chunk cumulative gates G (per token)."""
-    return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ("bchkv", "bthk") if p.op == "gla" else ()
+    intra-chunk matrix A (per chunk), the in-chunk cumulative gates G and q exp(G) (per token)."""
+    return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ("bchkv", "bthk", "bthk") if p.op == "gla" else ()
 
 
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
@@ -201,7 +196,7 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
         a, Gf, qg, kg = _call(_targets(p, "fwd", K, V)["a"], (jax.ShapeDtypeStruct((NT, HV, C, C), dt), _like(Gf), _like(qf),
                               _like(kf)), qf, kf, Gf, scale=np.float32(scale))
         ins, extra = (qg, kg, vf, Gf, a), ()
-        wy = (a.reshape(B, NT // B, *a.shape[1:]), Gf.reshape(B, Lr, *Gf.shape[1:])) if store_h else ()
+        wy = (a.reshape(B, NT // B, *a.shape[1:]), Gf.reshape(B, Lr, *Gf.shape[1:]), qg.reshape(B, Lr, *qg.shape[1:])) if store_h else ()
     else:
         ins, extra = (qf, kf, vf, Gf), ()
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
@@ -233,11 +228,11 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     bwd = _targets(p, "bwd", K, V)
     dht = dht.astype(jnp.float32)
     rows = lambda x, dt: x.reshape(B, Lr, *x.shape[1:]).astype(dt)
-    if not p.delta:  # simple GLA; GLA with the stored A and G (its dqkvg returns the per-step gates' dg)
+    if not p.delta:  # simple GLA; GLA with the stored A, G and q exp(G) (its dqkvg returns the per-step gates' dg)
+        qd = qf
         if p.op == "gla":
-            wy, Gf = wy[:1], wy[1].reshape(Gf.shape)
-        split = "dh_bk64" in bwd and cstart.shape[0] * qf.shape[1] * (V // 64) <= SPLIT_K_PROGRAMS
-        dh, dh0 = _call(bwd["dh_bk64" if split else "dh"], (_like(hf), _like(dht)), qf, dof, Gf, dht, cstart, ccount, scale=s)
+            wy, Gf, qd = wy[:1], wy[1].reshape(Gf.shape), wy[2].reshape(qf.shape)
+        dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qd, dof, Gf, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
         grads = _call(bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
         return (*(rows(g, g.dtype) for g in grads), dh0)

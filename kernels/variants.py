@@ -80,9 +80,6 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
-        # K split in two: twice the programs, for calls whose sequences x heads x V blocks leave SMs idle
-        Program(name="dh_bk64", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("BK", 64),),
-                dims=(128,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
     ("gla", "fwd"): (
@@ -92,7 +89,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
     ),
     ("gla", "bwd"): (
-        Program(name="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0")),
+        # simple GLA's pass with per-channel gates, from the stored q exp(G)
+        Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("channel_gates", True),)),
         Program(name="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
 }
@@ -102,11 +100,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks). The
     # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when
-    # batch x heads > 32). The state-gradient pass with V blocks of 32 (twice the programs).
+    # batch x heads > 32), with three stages. The state-gradient pass with V blocks of 32 (twice
+    # the programs), and in one warpgroup.
     ("gla", "fwd", "bf16", 128): (
         Program(name="x_fused_bv128", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
         Program(name="x_fused_h_bv128", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True), ("BV", 128))),
+        Program(name="x_fused_s3", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("stages", 3),)),
         Program(name="x_a_exact", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
                 config=(("bounded", False),)),
         Program(name="x_a_nolo", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
@@ -117,7 +117,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("gla", "bwd", "bf16", 128): (
         Program(name="x_dqkvg_exact", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
                 outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
-        Program(name="x_dh_bv32", of="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0"), config=(("BV", 32),)),
+        Program(name="x_dh_bv32", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"),
+                config=(("channel_gates", True), ("BV", 32))),
+        Program(name="x_dh_1wg", of="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0")),
     ),
     # the WY inverse row by row (the default before the blocked one); T stored by TMA; the state
     # pass in one warpgroup (the default before the warp-specialized one)
@@ -126,6 +128,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_wy_t_tma", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("tma_t", True))),
         Program(name="x_fused_1wg", of="fused", module="delta.fwd", builder="chunk_delta_fwd_1wg", outputs=("o", "vnew", "ht")),
+        Program(name="x_fused_s3", of="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"),
+                config=(("stages", 3),)),
         Program(name="x_fused_h_1wg", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd_1wg",
                 outputs=("o", "vnew", "h", "ht"), config=(("store_h", True),)),
     ),
@@ -135,6 +139,15 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("store_h", True),)),
         Program(name="x_fused_bv128", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
+        Program(name="x_fused_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("stages", 3),)),
+        Program(name="x_fused_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("stages", 4),)),
+    ),
+    # the state-gradient pass in one warpgroup (the default before), and so with K split in two
+    # (twice the programs; dispatched for grids of at most 66 programs before the warp-specialized pass)
+    ("simple_gla", "bwd", "bf16", 128): (
+        Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
+        Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
+                config=(("BK", 64),)),
     ),
 }
 

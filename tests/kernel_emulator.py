@@ -46,7 +46,7 @@ def _ownership(NT, cstart, ccount):
 def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0, decayed=False):
     """Forward (a = k, b = v): states before each chunk and after each sequence; reverse (a = q,
     b = do, s0 = dht): state gradients after each chunk and before each sequence. `decayed`: `a`
-    is `k exp(G_C - G)` already (GLA's state pass)."""
+    is `k exp(G_C - G)` (forward) or `q exp(G)` (reverse) already (GLA's state passes)."""
     ac, bc, Gc = _chunks(a)[0], _chunks(b)[0], _chunks(G)[0]  # [NT, C, H, .]
     NT = ac.shape[0]
     per_channel = Gc.ndim == 4  # GLA: G [NT, C, H, K]
@@ -59,7 +59,7 @@ def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0, decayed=
         glast = g[-1]
         S = jnp.where(enter[n], s0[seq[n]].astype(f32), S)
         if reverse:
-            upd = scale * jnp.einsum("chk,chv->hkv", ac[n] * col(jnp.exp(g)), bc[n])
+            upd = scale * jnp.einsum("chk,chv->hkv", ac[n] if decayed else ac[n] * col(jnp.exp(g)), bc[n])
         else:
             upd = jnp.einsum("chk,chv->hkv", ac[n] if decayed else ac[n] * col(jnp.exp(glast[None] - g)), bc[n])
         out = (jnp.exp(glast)[..., None] if per_channel else jnp.exp(glast)[:, None, None]) * S + upd
@@ -120,7 +120,7 @@ def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale):
     return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype), flat(dG, f32)
 
 
-PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dh_bk64": bwd_dh, "_dqkvg": bwd_dqkvg}
+PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg}
 
 
 def _gla_decay(Gc):
@@ -177,7 +177,13 @@ def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale):
     return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype), flat(dG, f32)
 
 
-GLA_PROGRAMS = {"_a": gla_a, "_fused": gla_fwd_fused, "_fused_h": gla_fwd_fused_h, "_dh": bwd_dh, "_dqkvg": gla_bwd_dqkvg}
+def gla_bwd_dh(qg, do, G, dht, cstart, ccount, *, scale):
+    """kernels/gla/bwd.py `chunk_gla_bwd_dh`, from `q exp(G)`."""
+    dh, dh0 = _scan_states(qg, do, G, dht, cstart, ccount, reverse=True, scale=scale, decayed=True)
+    return _unwritten(dh.astype(qg.dtype), cstart, ccount, False), dh0
+
+
+GLA_PROGRAMS = {"_a": gla_a, "_fused": gla_fwd_fused, "_fused_h": gla_fwd_fused_h, "_dh": gla_bwd_dh, "_dqkvg": gla_bwd_dqkvg}
 
 
 def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):

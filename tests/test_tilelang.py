@@ -40,8 +40,7 @@ def test_export_for_cuda_has_the_custom_calls(K, dtype):
     f = lambda q, k, v, g, h0: tilelang_backend.run(p, q, k, v, g, None, h0, None, scale=0.5)
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     fwd_names = [f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_{n}" for n in ("fused", "fused_h")]
-    # 2 sequences x 2 heads x 2 V blocks: at K = 128 the state-gradient pass splits K (SPLIT_K_PROGRAMS)
-    bwd_names = [f"fla_simple_gla_bwd_{short}_k{K}_v{K}_c64_{n}" for n in ("dh_bk64" if K == 128 else "dh", "dqkvg")]
+    bwd_names = [f"fla_simple_gla_bwd_{short}_k{K}_v{K}_c64_{n}" for n in ("dh", "dqkvg")]
     fwd, both = _cuda_custom_calls(f, (x, x, x, g, h0), fwd_names + bwd_names)
     assert fwd == fwd_names[:1]
     assert sorted(both) == sorted(fwd_names[1:] + bwd_names)
@@ -199,8 +198,8 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     # GLA's intra-chunk parts, exact against chunk-wide: terms move between the float32 elementwise
     # path and GEMMs of bf16-rounded operands, so the two agree to the input dtype's rounding; so do
     # the state passes of one warpgroup and the warp-specialized ones (v exp(G_C - G) is rounded
-    # where k exp(G_C - G) was)
-    assert all(e <= (5e-3 if prog.kind in ("a", "fused", "fused_h") else 1e-2 if prog.kind == "dqkvg" else 2e-3) for e in errs), errs
+    # where k exp(G_C - G) was, do exp(G) where q exp(G) was)
+    assert all(e <= (5e-3 if prog.kind in ("a", "fused", "fused_h", "dh") else 1e-2 if prog.kind == "dqkvg" else 2e-3) for e in errs), errs
 
 
 @on_hopper

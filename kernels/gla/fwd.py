@@ -199,12 +199,12 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
     return main
 
 
-def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h: bool = False):
+def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False):
     """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
     * warpgroup 2 streams each chunk's `qg`, `kg`, `v`, `A` and `G_C` (the last row of `g`) with
-      TMA into two stages;
+      TMA into `stages` buffers;
     * warpgroup 0 keeps `S` (float32) in registers and runs only the chain: it publishes `S` in the
       input dtype to shared memory (and, with `store_h`, to `h` by a TMA store that runs while it
       works), then `S <- Diag(exp(G_C)) S + kg^T v`;
@@ -220,17 +220,17 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sto
         with T.Kernel(T.ceildiv(V, BV), N * H, threads=384) as (iv, inh):
             n = inh // H
             ih = inh % H
-            kg_s = T.alloc_shared((2, BT, K), dtype)
-            qg_s = T.alloc_shared((2, BT, K), dtype)
-            v_s = T.alloc_shared((2, BT, BV), dtype)
-            a_s = T.alloc_shared((2, BT, BT), dtype)
-            gl_s = T.alloc_shared((2, K), acc)
+            kg_s = T.alloc_shared((stages, BT, K), dtype)
+            qg_s = T.alloc_shared((stages, BT, K), dtype)
+            v_s = T.alloc_shared((stages, BT, BV), dtype)
+            a_s = T.alloc_shared((stages, BT, BT), dtype)
+            gl_s = T.alloc_shared((stages, K), acc)
             s_s = T.alloc_shared((K, BV), dtype)
             o_s = T.alloc_shared((BT, BV), dtype)
             b_h = T.alloc_fragment((K, BV), acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
-            full = T.alloc_barrier([128, 128])  # a stage's loads landed (producer threads + TMA bytes)
-            free = T.alloc_barrier([256, 256])  # both consumers are done with a stage
+            full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
+            free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
             s_ready = T.alloc_barrier([128])  # warpgroup 0 published S
             s_free = T.alloc_barrier([128])  # warpgroup 1 has read it
             c0 = cstart[n]
@@ -238,9 +238,9 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sto
             with T.ws(2):
                 T.set_max_nreg(40, 0)
                 for i in T.serial(nc):
-                    slot = i % 2
-                    if i >= 2:
-                        T.barrier_wait(free[slot], (i // 2 + 1) % 2)
+                    slot = i % stages
+                    if i >= stages:
+                        T.barrier_wait(free[slot], (i // stages + 1) % 2)
                     t0 = (c0 + i) * BT
                     T.tma_copy(kg[t0 : t0 + BT, ih, 0:K], kg_s[slot, :, :], barrier=full[slot])
                     T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
@@ -252,8 +252,8 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sto
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
                 for i in T.serial(nc):
-                    slot = i % 2
-                    T.barrier_wait(full[slot], (i // 2) % 2)
+                    slot = i % stages
+                    T.barrier_wait(full[slot], (i // stages) % 2)
                     if i >= 1:
                         T.barrier_wait(s_free[0], (i + 1) % 2)
                         if store_h:  # the previous state's store has read s_s
@@ -275,9 +275,9 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sto
             with T.ws(1):
                 T.set_max_nreg(232, 1)
                 for i in T.serial(nc):
-                    slot = i % 2
+                    slot = i % stages
                     t0 = (c0 + i) * BT
-                    T.barrier_wait(full[slot], (i // 2) % 2)
+                    T.barrier_wait(full[slot], (i // stages) % 2)
                     T.barrier_wait(s_ready[0], i % 2)
                     T.clear(acc_o)
                     T.gemm(qg_s[slot, :, :], s_s, acc_o)

@@ -20,8 +20,10 @@ chunk `h [NT, H, K, V]` (stored by the forward, `chunk_fwd(store_h=True)`).
 import tilelang.language as T
 
 
-def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: int | None = None,
-                 threads: int | None = None, stages: int = 2):
+def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: int | None = None,
+                     threads: int | None = None, stages: int = 2):
+    """One warpgroup (TileLang's pipeline adds a producer), K optionally split in blocks of `BK`:
+    the dispatched pass before `chunk_bwd_dh` (the experiments `x_dh_1wg`, `x_dh_bk64`)."""
     BK = BK or K
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
@@ -65,6 +67,102 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: 
             T.copy(b_dh, dh0[n, ih, ik * BK : (ik + 1) * BK, iv * BV : (iv + 1) * BV])
 
     return main
+
+
+def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, channel_gates: bool = False):
+    """The reverse state-gradient pass, warp-specialized: per (V block, sequence * head) program a
+    producer warpgroup streams q, do (TMA) and the gates into `stages` buffers, and warpgroup 0
+    keeps `dS` in registers: it stores `dS` (input dtype, by a TMA store that runs while it
+    works), then `dS <- exp(G_C) dS + q^T dod` with `dod = scale do * exp(G)` (rows). With
+    `channel_gates` (GLA) `q` is the forward's `q exp(G)` and `g` the per-channel `G [L, H, K]`,
+    of which only each chunk's last row is read; the chain then carries `dS / scale`, so that the
+    GEMM takes `q` and `do` as stored. (A third warpgroup forming `dod` a chunk ahead made
+    TileLang sync the whole block between the warpgroups: a deadlock.)"""
+    L, H, N, NT = T.dynamic("L, H, N, NT")
+    acc = "float32"
+
+    @T.macro
+    def body(q, do, g, dht, cstart, ccount, scale, dh, dh0):
+        with T.Kernel(T.ceildiv(V, BV), N * H, threads=256) as (iv, inh):
+            n = inh // H
+            ih = inh % H
+            q_s = T.alloc_shared((stages, BT, K), dtype)
+            do_s = T.alloc_shared((stages, BT, BV), dtype)
+            g_s = T.alloc_shared((stages, K if channel_gates else BT), acc)
+            dod_s = None if channel_gates else T.alloc_shared((BT, BV), dtype)
+            dh_s = T.alloc_shared((K, BV), dtype)
+            b_dh = T.alloc_fragment((K, BV), acc)
+            full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
+            free = T.alloc_barrier([128] * stages)  # warpgroup 0 is done with a stage
+            c1 = cstart[n] + ccount[n] - 1
+            nc = ccount[n]
+            with T.ws(1):
+                T.set_max_nreg(40, 0)
+                for ir in T.serial(nc):
+                    slot = ir % stages
+                    if ir >= stages:
+                        T.barrier_wait(free[slot], (ir // stages + 1) % 2)
+                    t0 = (c1 - ir) * BT
+                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(do[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], do_s[slot, :, :], barrier=full[slot])
+                    if channel_gates:
+                        T.tma_copy(g[t0 + BT - 1, ih, 0:K], g_s[slot, :], barrier=full[slot])
+                    else:
+                        T.copy(g[t0 : t0 + BT, ih], g_s[slot, :], disable_tma=True)
+                    T.barrier_arrive(full[slot])
+            with T.ws(0):
+                T.set_max_nreg(240, 1)
+                T.copy(dht[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_dh)
+                if channel_gates:
+                    for r, c in T.Parallel(K, BV):
+                        b_dh[r, c] = b_dh[r, c] / scale
+                for ir in T.serial(nc):
+                    slot = ir % stages
+                    T.barrier_wait(full[slot], (ir // stages) % 2)
+                    if ir >= 1:  # the previous chunk's store has read dh_s
+                        T.tma_store_wait()
+                        T.sync_threads(8, 128)
+                    if channel_gates:
+                        for r, c in T.Parallel(K, BV):
+                            dh_s[r, c] = T.cast(b_dh[r, c] * scale, dtype)
+                    else:
+                        T.copy(b_dh, dh_s)
+                    T.fence_proxy_async()
+                    T.sync_threads(8, 128)
+                    T.tma_copy(dh_s, dh[c1 - ir, ih, 0:K, iv * BV : (iv + 1) * BV])
+                    if channel_gates:
+                        for r, c in T.Parallel(K, BV):
+                            b_dh[r, c] = b_dh[r, c] * T.exp(g_s[slot, r])
+                        T.gemm(q_s[slot, :, :], do_s[slot, :, :], b_dh, transpose_A=True)
+                    else:
+                        for r, c in T.Parallel(BT, BV):
+                            dod_s[r, c] = T.cast(T.cast(do_s[slot, r, c], acc) * T.exp(g_s[slot, r]) * scale, dtype)
+                        for r, c in T.Parallel(K, BV):
+                            b_dh[r, c] = b_dh[r, c] * T.exp(g_s[slot, BT - 1])
+                        T.gemm(q_s[slot, :, :], dod_s, b_dh, transpose_A=True)
+                    T.barrier_arrive(free[slot])
+                T.tma_store_wait()
+                if channel_gates:
+                    for r, c in T.Parallel(K, BV):
+                        b_dh[r, c] = b_dh[r, c] * scale
+                T.copy(b_dh, dh0[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        do: T.Tensor((L, H, V), dtype),
+        g: T.Tensor((L, H, K) if channel_gates else (L, H), acc),
+        dht: T.Tensor((N, H, K, V), acc),
+        cstart: T.Tensor((N,), "int32"),
+        ccount: T.Tensor((N,), "int32"),
+        scale: T.float32,
+        dh: T.Tensor((NT, H, K, V), dtype),
+        dh0: T.Tensor((N, H, K, V), acc),
+    ):
+        body(q, do, g, dht, cstart, ccount, scale, dh, dh0)
+
+    # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
+    return main.with_attr("fla.disable_shared_memory_reuse", 1)
 
 
 def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,

@@ -105,11 +105,11 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
     return main
 
 
-def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h: bool = False):
+def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False):
     """The one-pass forward, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
-    * warpgroup 2 streams each chunk's q, k, v (TMA) and G into two stages;
+    * warpgroup 2 streams each chunk's q, k, v (TMA) and G into `stages` buffers;
     * warpgroup 0 keeps `S` (float32) in registers and runs only the chain: it publishes `S` in
       the input dtype to shared memory (and, with `store_h`, to `h` by a TMA store that runs
       while it works), then `S <- exp(G_C) S + k^T (v * exp(G_C - G))`;
@@ -123,10 +123,10 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h
         with T.Kernel(T.ceildiv(V, BV), N * H, threads=384) as (iv, inh):
             n = inh // H
             ih = inh % H
-            q_s = T.alloc_shared((2, BT, K), dtype)
-            k_s = T.alloc_shared((2, BT, K), dtype)
-            v_s = T.alloc_shared((2, BT, BV), dtype)
-            g_s = T.alloc_shared((2, BT), acc)
+            q_s = T.alloc_shared((stages, BT, K), dtype)
+            k_s = T.alloc_shared((stages, BT, K), dtype)
+            v_s = T.alloc_shared((stages, BT, BV), dtype)
+            g_s = T.alloc_shared((stages, BT), acc)
             h_s = T.alloc_shared((K, BV), dtype)
             vd_s = T.alloc_shared((BT, BV), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
@@ -134,8 +134,8 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h
             b_h = T.alloc_fragment((K, BV), acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
-            full = T.alloc_barrier([128, 128])  # a stage's loads landed (producer threads + TMA bytes)
-            free = T.alloc_barrier([256, 256])  # both consumers are done with a stage
+            full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
+            free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
             s_ready = T.alloc_barrier([128])  # warpgroup 0 published S
             s_free = T.alloc_barrier([128])  # warpgroup 1 has read it
             c0 = cstart[n]
@@ -143,9 +143,9 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h
             with T.ws(2):
                 T.set_max_nreg(40, 0)
                 for i in T.serial(nc):
-                    slot = i % 2
-                    if i >= 2:
-                        T.barrier_wait(free[slot], (i // 2 + 1) % 2)
+                    slot = i % stages
+                    if i >= stages:
+                        T.barrier_wait(free[slot], (i // stages + 1) % 2)
                     t0 = (c0 + i) * BT
                     T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
                     T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
@@ -156,8 +156,8 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
                 for i in T.serial(nc):
-                    slot = i % 2
-                    T.barrier_wait(full[slot], (i // 2) % 2)
+                    slot = i % stages
+                    T.barrier_wait(full[slot], (i // stages) % 2)
                     if i >= 1:
                         T.barrier_wait(s_free[0], (i + 1) % 2)
                         if store_h:  # the previous state's store has read h_s
@@ -181,9 +181,9 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h
             with T.ws(1):
                 T.set_max_nreg(232, 1)
                 for i in T.serial(nc):
-                    slot = i % 2
+                    slot = i % stages
                     t0 = (c0 + i) * BT
-                    T.barrier_wait(full[slot], (i // 2) % 2)
+                    T.barrier_wait(full[slot], (i // stages) % 2)
                     T.clear(acc_s)
                     T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
                     for r, c in T.Parallel(BT, BT):
