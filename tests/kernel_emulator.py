@@ -178,7 +178,7 @@ def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale):
 
 
 def gla_bwd_dh(qg, do, G, dht, cstart, ccount, *, scale):
-    """kernels/gla/bwd.py `chunk_gla_bwd_dh`, from `q exp(G)`."""
+    """The state-gradient pass of GLA (kernels/simple_gla/bwd.py `chunk_bwd_dh(channel_gates=True)`), from `q exp(G)`."""
     dh, dh0 = _scan_states(qg, do, G, dht, cstart, ccount, reverse=True, scale=scale, decayed=True)
     return _unwritten(dh.astype(qg.dtype), cstart, ccount, False), dh0
 

@@ -5,7 +5,8 @@ Token layout as for simple GLA (`kernels/simple_gla/fwd.py`: flat chunk rows, se
 writes their in-chunk cumulative sums `G_i = g_1 + ... + g_i` (`gc`), which the other kernels read
 as `g` (every `G` is <= 0 and decreasing within a chunk).
 
-* `chunk_gla_a`: one program per (chunk, head), chunks independent: `G` (written out), and
+* `chunk_gla_a`: one program per (chunk, head), chunks independent: `G` (written out), the state
+  passes' operands `qg = q exp(G)` and `kg = k exp(G_C - G)` (input dtype), and
   `A_ij = scale sum_k q_ik k_jk exp(G_ik - G_jk)` for `j <= i`, 0 above, accumulated in float32,
   stored in the input dtype `[NT, H, BT, BT]` (the output pass and the backward's dv read it so).
   A chunk whose gate range from its middle row m is bounded (`chunk_span` below `half_limit`)
@@ -15,9 +16,10 @@ as `g` (every `G` is <= 0 and decreasing within a chunk).
   row r0, as one GEMM of `q_i exp(G_i - G_r0)` (rows of r) and `k_j exp(G_r0 - G_j)` (j < r0),
   factors at most 1; the diagonal blocks elementwise on CUDA cores (`exp(G_ik - G_jk)` per term).
 * `chunk_gla_fwd`: one program per (V block, sequence * head), chunks in order, the state on
-  chip: `o = scale (q * exp(G)) S + A v`, then `S <- Diag(exp(G_C)) S + (k * exp(G_C - G))^T v`.
+  chip, warp-specialized: `o = scale qg S + A v`, then `S <- Diag(exp(G_C)) S + kg^T v`.
   Writes `o`, the final states `ht [N, H, K, V]` and with `store_h` the state before every chunk
-  `h [NT, H, K, V]` (input dtype) for the backward.
+  `h [NT, H, K, V]` (input dtype) for the backward (which also keeps `qg` for its
+  state-gradient pass, simple GLA's `chunk_bwd_dh(channel_gates=True)`).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.

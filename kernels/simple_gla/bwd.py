@@ -4,10 +4,13 @@ Token layout and inputs as for the forward (`kernels/simple_gla/fwd.py`: flat ch
 from `cstart`/`ccount`, `g` = in-chunk cumulative log gates, float32), plus the states before each
 chunk `h [NT, H, K, V]` (stored by the forward, `chunk_fwd(store_h=True)`).
 
-* `chunk_bwd_dh`: one program per (V block, K block, sequence * head), its chunks in reverse (rows
-  of the state gradient are independent, so K may be split in blocks of BK). `dh[c]` is
-  the gradient of the state after chunk c; `dh0[n]` that of sequence n's initial state:
-  `dS_before = exp(G_C) dS_after + scale (q * exp(G))^T do`, starting from `dht[n]`.
+* `chunk_bwd_dh`: one program per (V block, sequence * head), its chunks in reverse,
+  warp-specialized (a producer and the chain's warpgroup). `dh[c]` is the gradient of the state
+  after chunk c; `dh0[n]` that of sequence n's initial state:
+  `dS_before = exp(G_C) dS_after + scale q^T (do * exp(G))`, starting from `dht[n]`. With
+  `channel_gates` it is GLA's pass (per-channel decay, from the forward's `q * exp(G)`).
+  (`chunk_bwd_dh_1wg`, the one-warpgroup pass before it, also splits K in blocks of BK: rows of
+  the state gradient are independent.)
 * `chunk_bwd_dqkvg`: one program per (chunk, head), looping over V blocks with A = the
   masked, decayed `scale Q K^T` and `kd = k * exp(G_C - G)` kept on chip:
   `dv = kd dh + A^T do`, `dq = scale exp(G) (do h^T) + dS k`, `dk = exp(G_C - G) (v dh^T) + dS^T q`
