@@ -21,6 +21,53 @@ import tilelang.language as T
 from kernels.common import chunk_output_and_update
 
 
+def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
+    """The prim_func of a state pass `body` (a macro of the inputs and outputs), with the stored
+    states `h` among its outputs under `store_h` (TileLang varies a parameter list so)."""
+    L, H, HV, N, NT = dims
+    acc = "float32"
+    if store_h:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            h0: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, HV, V), dtype),
+            vnew: T.Tensor((L, HV, V), dtype),
+            h: T.Tensor((NT, HV, K, V), dtype),
+            ht: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            h0: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, HV, V), dtype),
+            vnew: T.Tensor((L, HV, V), dtype),
+            ht: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, None)
+
+    return main
+
+
 def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
                         stages: int | None = None, store_h: bool = False):
     """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched forward
@@ -72,46 +119,7 @@ def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 6
                 step(q_s, k_s, vn_s, h_s, g_s, b_h, kd_s, s_s, o_s, acc_o, acc_s, o, t0, ihv, iv, scale)
             T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
-    if store_h:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            h0: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, HV, V), dtype),
-            vnew: T.Tensor((L, HV, V), dtype),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            ht: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            h0: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, HV, V), dtype),
-            vnew: T.Tensor((L, HV, V), dtype),
-            ht: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, None)
-
-    return main
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT))
 
 
 def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
@@ -223,44 +231,5 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                     T.copy(acc_o, o_s)
                     T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
 
-    if store_h:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            h0: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, HV, V), dtype),
-            vnew: T.Tensor((L, HV, V), dtype),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            ht: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            h0: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, HV, V), dtype),
-            vnew: T.Tensor((L, HV, V), dtype),
-            ht: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, None)
-
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
-    return main.with_attr("fla.disable_shared_memory_reuse", 1)
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)

@@ -23,6 +23,49 @@ import tilelang.language as T
 from kernels.common import chunk_output_and_update
 
 
+def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
+    """The prim_func of a forward pass `body` (a macro of the inputs and outputs), with the stored
+    states `h` among its outputs under `store_h` (TileLang varies a parameter list so)."""
+    L, H, N, NT = dims
+    acc = "float32"
+    if store_h:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, H, V), dtype),
+            g: T.Tensor((L, H), acc),
+            h0: T.Tensor((N, H, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, H, V), dtype),
+            h: T.Tensor((NT, H, K, V), dtype),
+            ht: T.Tensor((N, H, K, V), acc),
+        ):
+            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, H, V), dtype),
+            g: T.Tensor((L, H), acc),
+            h0: T.Tensor((N, H, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, H, V), dtype),
+            ht: T.Tensor((N, H, K, V), acc),
+        ):
+            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, None)
+
+    return main
+
+
 def _threads(K: int) -> int:
     return 256 if K > 128 else 128
 
@@ -67,42 +110,7 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
                 step(q_s, k_s, v_s, h_s, g_s, b_h, kd_s, s_s, o_s, acc_o, acc_s, o, t0, ih, iv, scale)
             T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
 
-    if store_h:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor((L, H), acc),
-            h0: T.Tensor((N, H, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, H, V), dtype),
-            h: T.Tensor((NT, H, K, V), dtype),
-            ht: T.Tensor((N, H, K, V), acc),
-        ):
-            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor((L, H), acc),
-            h0: T.Tensor((N, H, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, H, V), dtype),
-            ht: T.Tensor((N, H, K, V), acc),
-        ):
-            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, None)
-
-    return main
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT))
 
 
 def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False):
@@ -200,39 +208,5 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
                     T.copy(acc_o, o_s)
                     T.copy(o_s, o[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV])
 
-    if store_h:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor((L, H), acc),
-            h0: T.Tensor((N, H, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, H, V), dtype),
-            h: T.Tensor((NT, H, K, V), dtype),
-            ht: T.Tensor((N, H, K, V), acc),
-        ):
-            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor((L, H), acc),
-            h0: T.Tensor((N, H, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, H, V), dtype),
-            ht: T.Tensor((N, H, K, V), acc),
-        ):
-            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, None)
-
-    return main.with_attr("fla.disable_shared_memory_reuse", 1)
+    # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
