@@ -32,3 +32,54 @@ def chunk_output_and_update(*, BT: int, K: int, BV: int, dtype: str):
         T.gemm(kd_s, v_s, b_h, transpose_A=True)
 
     return step
+
+
+@T.macro
+def publish_state(b_h, s_s, s_ready, s_free, i, store_h, h, c0, head, iv):
+    """Warpgroup 0 of a warp-specialized forward state pass, at chunk `i`: once warpgroup 1 has
+    read the previous state (and, with `store_h`, its TMA store to `h` has), the float32 state
+    `b_h` into `s_s` in the input dtype for warpgroup 1 (signalled on `s_ready`); with `store_h`
+    also to `h[c0 + i, head, :, V block iv]` by a TMA store that runs on while warpgroup 0 works."""
+    K, BV = (int(d) for d in s_s.shape)
+    if i >= 1:
+        T.barrier_wait(s_free[0], (i + 1) % 2)
+        if store_h:
+            T.tma_store_wait()
+            T.sync_threads(8, 128)
+    T.copy(b_h, s_s)
+    T.fence_proxy_async()
+    T.barrier_arrive(s_ready[0])
+    if store_h:
+        T.sync_threads(8, 128)
+        T.tma_copy(s_s, h[c0 + i, head, 0:K, iv * BV : (iv + 1) * BV])
+
+
+@T.macro
+def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages, t0, head,
+                 iv, scale, values_published):
+    """Warpgroup 1 of a warp-specialized scalar-gate forward state pass (simple GLA, the delta
+    rules), at chunk `i` in stage `slot`: `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while
+    warpgroup 0 works, then `o = scale (q * exp(G)) S + P values` from the state warpgroup 0
+    published in `h_s`, into `o[t0 : t0 + BT, head, V block iv]`. `values_published`: `values`
+    (v_new) is published by warpgroup 0 too, so `s_free` is signalled after the last GEMM reads
+    it, not after the state's."""
+    BT, BV = (int(d) for d in o_s.shape)
+    T.barrier_wait(full[slot], (i // stages) % 2)
+    T.clear(acc_s)
+    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+    for r, c in T.Parallel(BT, BT):
+        acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
+    T.copy(acc_s, p_s)
+    T.barrier_wait(s_ready[0], i % 2)
+    T.clear(acc_o)
+    T.gemm(q_s[slot, :, :], h_s, acc_o)
+    if not values_published:
+        T.barrier_arrive(s_free[0])
+    for r, c in T.Parallel(BT, BV):
+        acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
+    T.gemm(p_s, values, acc_o)
+    if values_published:
+        T.barrier_arrive(s_free[0])
+    T.barrier_arrive(free[slot])
+    T.copy(acc_o, o_s)
+    T.copy(o_s, o[t0 : t0 + BT, head, iv * BV : (iv + 1) * BV])

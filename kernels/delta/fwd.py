@@ -18,7 +18,7 @@ The WY preparation (`kernels/delta/wy.py`) runs before this kernel, per chunk an
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import chunk_output_and_update
+from kernels.common import chunk_output_and_update, output_chunk
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
@@ -214,22 +214,8 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                 for i in T.serial(nc):
                     slot = i % stages
                     t0 = (c0 + i) * BT
-                    T.barrier_wait(full[slot], (i // stages) % 2)
-                    T.clear(acc_s)
-                    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
-                    for r, c in T.Parallel(BT, BT):
-                        acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
-                    T.copy(acc_s, p_s)
-                    T.barrier_wait(s_ready[0], i % 2)
-                    T.clear(acc_o)
-                    T.gemm(q_s[slot, :, :], h_s, acc_o)
-                    for r, c in T.Parallel(BT, BV):
-                        acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
-                    T.gemm(p_s, vn_s, acc_o)
-                    T.barrier_arrive(s_free[0])
-                    T.barrier_arrive(free[slot])
-                    T.copy(acc_o, o_s)
-                    T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+                    output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages,
+                                 t0, ihv, iv, scale, True)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)

@@ -25,6 +25,8 @@ as `g` (every `G` is <= 0 and decreasing within a chunk).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from kernels.common import publish_state
+
 NS = 16  # sub-chunk rows
 
 
@@ -256,17 +258,7 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
-                    if i >= 1:
-                        T.barrier_wait(s_free[0], (i + 1) % 2)
-                        if store_h:  # the previous state's store has read s_s
-                            T.tma_store_wait()
-                            T.sync_threads(8, 128)
-                    T.copy(b_h, s_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(s_ready[0])
-                    if store_h:
-                        T.sync_threads(8, 128)
-                        T.tma_copy(s_s, h[c0 + i, ih, 0:K, iv * BV : (iv + 1) * BV])
+                    publish_state(b_h, s_s, s_ready, s_free, i, store_h, h, c0, ih, iv)
                     for r, c in T.Parallel(K, BV):
                         b_h[r, c] = b_h[r, c] * T.exp(gl_s[slot, r])
                     T.gemm(kg_s[slot, :, :], v_s[slot, :, :], b_h, transpose_A=True)

@@ -20,7 +20,7 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import chunk_output_and_update
+from kernels.common import chunk_output_and_update, output_chunk, publish_state
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
@@ -166,17 +166,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
-                    if i >= 1:
-                        T.barrier_wait(s_free[0], (i + 1) % 2)
-                        if store_h:  # the previous state's store has read h_s
-                            T.tma_store_wait()
-                            T.sync_threads(8, 128)
-                    T.copy(b_h, h_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(s_ready[0])
-                    if store_h:
-                        T.sync_threads(8, 128)
-                        T.tma_copy(h_s, h[c0 + i, ih, 0:K, iv * BV : (iv + 1) * BV])
+                    publish_state(b_h, h_s, s_ready, s_free, i, store_h, h, c0, ih, iv)
                     for r, c in T.Parallel(BT, BV):
                         vd_s[r, c] = T.cast(T.cast(v_s[slot, r, c], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
                     for r, c in T.Parallel(K, BV):
@@ -191,22 +181,8 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
                 for i in T.serial(nc):
                     slot = i % stages
                     t0 = (c0 + i) * BT
-                    T.barrier_wait(full[slot], (i // stages) % 2)
-                    T.clear(acc_s)
-                    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
-                    for r, c in T.Parallel(BT, BT):
-                        acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
-                    T.copy(acc_s, p_s)
-                    T.barrier_wait(s_ready[0], i % 2)
-                    T.clear(acc_o)
-                    T.gemm(q_s[slot, :, :], h_s, acc_o)
-                    T.barrier_arrive(s_free[0])
-                    for r, c in T.Parallel(BT, BV):
-                        acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
-                    T.gemm(p_s, v_s[slot, :, :], acc_o)
-                    T.barrier_arrive(free[slot])
-                    T.copy(acc_o, o_s)
-                    T.copy(o_s, o[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV])
+                    output_chunk(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot,
+                                 stages, t0, ih, iv, scale, False)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
