@@ -36,13 +36,16 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     s = np.float32(D**-0.5)
     p = Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
     run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: tb._call(tb._targets(p, direction, D, D)[name], results, *b, **kw))(*a)
+    # the consumer's dv (and but for GLA dg): whole, or in float32 parts where it splits the key channels
+    parts = tb._value_parts(p, D, D)
+    split = lambda a: like(a) if parts == 1 else jax.ShapeDtypeStruct((parts, *a.shape), jnp.float32)
     if op == "simple_gla":
         h = run("fwd", "fused_h", (like(v), state, final), q, k, v, G, h0, cstart, ccount, scale=s)[1]
         calls = {  # program kind: (results, args, attrs)
             "fused_h": ((like(v), state, final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, do, G, h0, cstart, ccount), {"scale": s}),
-            "dqkvg": ((like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, h), {"scale": s}),
+            "dqkvg": ((like(q), like(k), split(v), split(G)), (q, k, v, G, h, do, h), {"scale": s}),
         }
     elif op == "gla":  # gates per key channel
         gk = jnp.asarray(-np.abs(rng.standard_normal((B * T, H, D))) * 0.1, jnp.float32)  # per step
@@ -54,7 +57,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             "fused_h": ((like(v), state, final), (qg, kg, v, Gk, a, h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), final), (qg, kg, v, Gk, a, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, do, Gk, h0, cstart, ccount), {"scale": s}),
-            "dqkvg": ((like(q), like(k), like(v), like(Gk)), (q, k, v, Gk, a, h, do, h), {"scale": s}),
+            "dqkvg": ((like(q), like(k), split(v), like(Gk)), (q, k, v, Gk, a, h, do, h), {"scale": s}),
         }
     else:
         beta = jnp.asarray(rng.uniform(size=(B * T, H)), jnp.float32)
@@ -68,8 +71,8 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             "fused_h": ((like(v), like(v), state, final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), like(v), final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, k, w, do, G, h0, cstart, ccount), {"scale": s}),
-            "dqkvg": ((like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new
-            "wy_bwd": (tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (k, v, G, G)), (k, v, G, beta, Tm, w, u), {}),
+            "dqkvg": ((like(q), like(k), split(v), split(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new
+            "wy_bwd": (tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (k, v, G, G)), (k, v, G, beta, Tm, h, u), {}),
         }
         f32 = lambda a: a.astype(jnp.float32)
         local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])
@@ -84,11 +87,12 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         for prog in variant.programs:
             results, args, attrs = calls[prog.kind]
             yield f"{direction}:{prog.name}", _kernel(variant.target(prog), results, attrs), args
-    if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path
-        a_strong, strong = run("fwd", "a", am, q, k, gk * 100, scale=s)[:2]
-        for direction, name, args in (("fwd", "a", (q, k, gk * 100)), ("bwd", "dqkvg", (q, k, v, strong, a_strong, h, do, h))):
-            results, _, attrs = calls[name]
-            yield f"{direction}:{name}@strong", _kernel(tb._targets(p, direction, D, D)[name], results, attrs), args
+    if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path, and none (every chunk wide)
+        for label, factor in (("strong", 100.0), ("zero", 0.0)):
+            a_x, G_x = run("fwd", "a", am, q, k, gk * factor, scale=s)[:2]
+            for direction, name, args in (("fwd", "a", (q, k, gk * factor)), ("bwd", "dqkvg", (q, k, v, G_x, a_x, h, do, h))):
+                results, _, attrs = calls[name]
+                yield f"{direction}:{name}@{label}", _kernel(tb._targets(p, direction, D, D)[name], results, attrs), args
 
 
 def _kernel(target, results, attrs):

@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_session.sh [budget_s=540] [ops=simple_gla] [shapes=issue] [pytest -k expr] [kernel ops=simple_gla]
 #
 # With XLA_VJPS=1 in the environment the delta rules' op benchmark does the backward's parallel
-# parts as XLA VJPs instead of kernels (bench.py --delta-xla-vjps). Writes gpu_tests.log,
+# parts as XLA VJPs instead of kernels (bench.py --delta-xla-vjps); IMPLS overrides the op benchmark's
+# implementations (default fla_jax:tilelang,jla:mosaic_gpu,fla), KSHAPES the per-kernel timings' shapes. Writes gpu_tests.log,
 # kernels.json, bench.json and the Triton cache (tc.part.*, 15 MB pieces: copy them into the cache
 # folder carried, for the next call) under $OUT.
 set -u
@@ -28,9 +29,11 @@ left() { echo $((budget - SECONDS - 25)); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -s ${select:+-k "$select"} 2>&1 |
   tee "$out/gpu_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|\{'o'"
-[ "$shapes" = issue ] && kshapes=() || kshapes=(--shapes "$shapes")
-(cd benchmarks && timeout "$(left)" python3 bench_kernels.py --ops "$kops" "${kshapes[@]}" --json "$out/kernels.json" | tail -40)
+kshapes=${KSHAPES:-$shapes}  # KSHAPES: the per-kernel timings' shapes, if not those of the op benchmark
+[ "$kshapes" = issue ] && kshapes=() || kshapes=(--shapes "$kshapes")
+(cd benchmarks && timeout "$(left)" python3 bench_kernels.py --no-xla --ops "$kops" "${kshapes[@]}" --json "$out/kernels.json" | tail -40)
 timeout "$(left)" python3 benchmarks/bench.py --ops "$ops" --shapes "$shapes" \
-  --impls fla_jax:tilelang,jla:mosaic_gpu,fla --lift-fla-check ${XLA_VJPS:+--delta-xla-vjps} --json "$out/bench.json" 2>&1 | grep -E "^\{|^\|"
+  --impls "${IMPLS:-fla_jax:tilelang,jla:mosaic_gpu,fla}" --lift-fla-check ${XLA_VJPS:+--delta-xla-vjps} --json "$out/bench.json" 2>&1 |
+  grep -E "^\{|^\|"
 tar czf - -C "$HOME" .triton | split -b 15m - "$out/tc.part."
 echo "gpu_session: done in ${SECONDS}s"

@@ -153,6 +153,29 @@ def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     return {prog.name: variant.target(prog) for prog in variant.programs}
 
 
+def _value_parts(p: Problem, K: int, V: int) -> int:
+    """In how many float32 parts the backward's consumer writes what sums over the key channels:
+    1 (dv in the input dtype), or K / BK where it splits the key channels over programs (dv as
+    `[parts, L, HV, V]`, and but for GLA, whose dg is per channel, dg as `[parts, L, HV]`)."""
+    variant = _find_variant("delta" if p.delta else p.op, "bwd", p.dtype, K, V)
+    prog = next(prog for prog in variant.programs if prog.name == "dqkvg")
+    return K // dict(prog.config).get("BK", K)
+
+
+def _consumer(p: Problem, target: str, results, *args, scale):
+    """The backward's consumer `(dq, dk, dv, dg)`, summing the parts of dv (and dg) where it
+    splits the key channels (`_value_parts`); `results` as the unsplit program writes them."""
+    parts = _value_parts(p, args[0].shape[-1], results[2].shape[-1])
+    if parts > 1:
+        split = lambda r: jax.ShapeDtypeStruct((parts, *r.shape), jnp.float32)
+        results = (*results[:2], split(results[2]), results[3] if p.op == "gla" else split(results[3]))
+    dq, dk, dv, dg = _call(target, results, *args, scale=scale)
+    if parts > 1:
+        dv = dv.sum(axis=0).astype(results[2].dtype)  # rounded once, as the unsplit program writes it
+        dg = dg if p.op == "gla" else dg.sum(axis=0)
+    return dq, dk, dv, dg
+
+
 def _flat(C, q, *rest, tables):
     """Chunk rows `[B, NT * C, H, .]` -> one flat row, and the (first chunk, chunk count) of
     each sequence: the dense rows' own, or the varlen tables."""
@@ -234,7 +257,7 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
             wy, Gf, qd = wy[:1], wy[1].reshape(Gf.shape), wy[2].reshape(qf.shape)
         dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qd, dof, Gf, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
-        grads = _call(bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
+        grads = _consumer(p, bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
         return (*(rows(g, g.dtype) for g in grads), dh0)
     # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
     # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
@@ -243,22 +266,21 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     group_sum = lambda x: x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)  # value heads -> q/k heads
     dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
-    if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, then dw = -dv_new h^T
+    if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel (du = dv_new)
         heads = lambda x: _like(x, None, HV)
-        dq, dk, du, dG = _call(bwd["dqkvg"], (heads(qf), heads(kf), _like(vf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, scale=s)
-        NT = hf.shape[0]
-        dw = -jnp.einsum("nchv,nhkv->nchk", du.reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32)
-        dw, du = dw.reshape(-1, HV, K), f32(du)
+        dq, dk, du, dG = _consumer(p, bwd["dqkvg"], (heads(qf), heads(kf), _like(vf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, scale=s)
         dq, dk = group_sum(dq), group_sum(dk)
     else:
         _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
-        dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
-    if wy_kernel:
+        dq, dk, _, du, dG, _ = local_vjp((f32(dof), f32(dh)))
+    if wy_kernel:  # it forms dw = -du h^T itself (v_new = u - w h)
         outs = (_like(kf, jnp.float32, HV), _like(vf, jnp.float32), _like(Gf), _like(Gf))
-        dk2, dv, dG2, dbeta = _call(bwd["wy_bwd"], outs, kf, vf, Gf, flat[4], Tm, dw.astype(kf.dtype), du.astype(kf.dtype))
+        dk2, dv, dG2, dbeta = _call(bwd["wy_bwd"], outs, kf, vf, Gf, flat[4], Tm, hf, du.astype(kf.dtype))
         dk2 = group_sum(dk2)
     else:
-        dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, du)
+        NT = hf.shape[0]
+        dw = -jnp.einsum("nchv,nhkv->nchk", du.astype(hf.dtype).reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32)
+        dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw.reshape(-1, HV, K), f32(du))
     return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
 

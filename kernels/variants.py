@@ -74,13 +74,18 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0")),
         # the simple GLA consumer on v_new (dv is the gradient of v_new): with DELTA_FUSED_BWD (the default)
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True),)),
+                config=(("delta", True),), dims=(64, 128)),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True), ("BK", 128)), dims=(256,)),
         # the WY preparation's VJP given T: with DELTA_WY_BWD_KERNEL (the default)
         Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
-        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), dims=(64, 128)),
+        # K = 256: two programs per (chunk, head), 128 key channels each; dv and dg in float32 parts
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("BK", 128),), dims=(256,)),
     ),
     ("gla", "fwd"): (
         # A, G, and the state pass's operands q exp(G), k exp(G_C - G)
@@ -91,7 +96,10 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("gla", "bwd"): (
         # simple GLA's pass with per-channel gates, from the stored q exp(G)
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("channel_gates", True),)),
-        Program(name="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
+        Program(name="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), dims=(64, 128)),
+        # K = 256: two programs per (chunk, head), 128 key channels each; dv in float32 parts ([2, L, H, V])
+        Program(name="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("BK", 128),), dims=(256,)),
     ),
 }
 
@@ -100,13 +108,18 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks). The
     # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when
-    # batch x heads > 32), with three stages. The state-gradient pass with V blocks of 32 (twice
-    # the programs), and in one warpgroup.
+    # batch x heads > 32), with two stages (three dispatched). The state-gradient pass with V blocks
+    # of 32 (twice the programs), and in one warpgroup.
     ("gla", "fwd", "bf16", 128): (
         Program(name="x_fused_bv128", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
         Program(name="x_fused_h_bv128", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True), ("BV", 128))),
-        Program(name="x_fused_s3", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("stages", 3),)),
+        Program(name="x_fused_s2", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("stages", 2),)),
+        Program(name="x_fused_h_s2", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
+                config=(("store_h", True), ("stages", 2))),
+        Program(name="x_fused_pub2", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("pub", 2),)),
+        Program(name="x_fused_h_pub2", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
+                config=(("store_h", True), ("pub", 2))),
         Program(name="x_a_exact", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
                 config=(("bounded", False),)),
         Program(name="x_a_nolo", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
@@ -121,6 +134,16 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("channel_gates", True), ("BV", 32))),
         Program(name="x_dh_1wg", of="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0")),
     ),
+    # at K = 64 the intra-chunk parts measured 0.57 (a) and 1.36 ms (dqkvg) at 8,2048,16,64, over
+    # K = 128's 0.28 and 0.89 at 4,4096,16,128 (same tokens and heads): their exact path, to compare
+    ("gla", "fwd", "bf16", 64): (
+        Program(name="x_a_exact", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
+                config=(("bounded", False),)),
+    ),
+    ("gla", "bwd", "bf16", 64): (
+        Program(name="x_dqkvg_exact", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
+                outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
+    ),
     # the WY inverse row by row (the default before the blocked one); T stored by TMA; the state
     # pass in one warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
@@ -133,7 +156,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_h_1wg", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd_1wg",
                 outputs=("o", "vnew", "h", "ht"), config=(("store_h", True),)),
     ),
-    # the one-pass forward in one warpgroup (the default before the warp-specialized one); V blocks of 128
+    # the one-pass forward in one warpgroup (the default before the warp-specialized one); V blocks of 128;
+    # 3 and 4 stages; the published state double-buffered
     ("simple_gla", "fwd", "bf16", 128): (
         Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht")),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
@@ -141,13 +165,31 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_bv128", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
         Program(name="x_fused_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("stages", 3),)),
         Program(name="x_fused_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("stages", 4),)),
+        Program(name="x_fused_pub2", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("pub", 2),)),
+        Program(name="x_fused_h_pub2", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
+                config=(("store_h", True), ("pub", 2))),
+    ),
+    # at K = 64 too (an earlier session measured the one-warpgroup op forward faster there)
+    ("simple_gla", "fwd", "bf16", 64): (
+        Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht")),
+        Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
+                config=(("store_h", True),)),
     ),
     # the state-gradient pass in one warpgroup (the default before), and so with K split in two
-    # (twice the programs; dispatched for grids of at most 66 programs before the warp-specialized pass)
+    # (twice the programs; dispatched for grids of at most 66 programs before the warp-specialized pass).
+    # (The consumer with one stage, 108 KB of shared memory against 165 so two programs per SM, measured
+    # 0.428 against 0.397 ms; on the delta rules' v_new 0.594 against 0.576: not kept.) The consumer
+    # with two warpgroups sharing every step, loads not pipelined.
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
                 config=(("BK", 64),)),
+        Program(name="x_dqkvg_t256", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("threads", 256), ("stages", 0))),
+    ),
+    ("delta", "bwd", "bf16", 128): (
+        Program(name="x_dqkvg_t256", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True), ("threads", 256), ("stages", 0))),
     ),
 }
 

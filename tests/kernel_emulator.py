@@ -99,7 +99,19 @@ def bwd_dh(q, do, G, dht, cstart, ccount, *, scale):
     return _unwritten(dh.astype(q.dtype), cstart, ccount, False), dh0
 
 
-def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale):
+def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale, parts=1):
+    """kernels/simple_gla/bwd.py `chunk_bwd_dqkvg`. With the key channels split over `parts`
+    programs, each is this on its channels, and dv, dG come as float32 parts `[parts, L, H, .]`."""
+    if parts > 1:
+        BK = q.shape[-1] // parts
+        cut = lambda x, i, ax=-1: jax.lax.slice_in_dim(x, i * BK, (i + 1) * BK, axis=ax)
+        outs = [_bwd_dqkvg(cut(q, i), cut(k, i), v, G, cut(h, i, -2), do, cut(dh, i, -2), scale=scale, dv_dtype=f32) for i in range(parts)]
+        return (jnp.concatenate([o[0] for o in outs], -1), jnp.concatenate([o[1] for o in outs], -1),
+                jnp.stack([o[2] for o in outs]), jnp.stack([o[3] for o in outs]))
+    return _bwd_dqkvg(q, k, v, G, h, do, dh, scale=scale, dv_dtype=v.dtype)
+
+
+def _bwd_dqkvg(q, k, v, G, h, do, dh, *, scale, dv_dtype):
     qc, kc, vc, Gc, doc = (_chunks(x) for x in (q, k, v, G, do))
     h, dh = h.astype(f32)[None], dh.astype(f32)[None]
     mask = jnp.tril(jnp.ones((C, C), bool))[None, None, :, :, None]
@@ -117,7 +129,7 @@ def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale):
     last = jnp.exp(glast[:, :, 0]) * jnp.sum(h * dh, (-1, -2)) + jnp.sum(kc * dk_inter, (2, 4))
     dG = dG.at[:, :, -1].add(last)
     flat = lambda x, dt: x.reshape(q.shape[0], *x.shape[3:]).astype(dt)
-    return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype), flat(dG, f32)
+    return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, dv_dtype), flat(dG, f32)
 
 
 PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg}
@@ -155,14 +167,20 @@ def gla_fwd_fused(qg, kg, v, G, a, h0, cstart, ccount, *, scale):
     return o, ht
 
 
-def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale):
+def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale, parts=1):
     """kernels/gla/bwd.py `chunk_gla_bwd_dqkvg`: dq, dk, dv and the per-step gates' dg (the
-    reverse in-chunk cumulative sum of the per-channel dG)."""
+    reverse in-chunk cumulative sum of the per-channel dG). With the key channels split over
+    `parts` programs, dv is `[parts, L, H, V]` float32: each part the sum over its channels (the
+    first adds `A^T do`)."""
     qc, kc, vc, Gc, doc = (_chunks(x) for x in (q, k, v, G, do))
     h, dh, A = h.astype(f32)[None], dh.astype(f32)[None], a.astype(f32)[None]
     glast = Gc[:, :, -1:]  # [B, N, 1, H, K]
     decay = _gla_decay(Gc)
-    dv = jnp.einsum("bnchk,bnhkv->bnchv", kc * jnp.exp(glast - Gc), dh) + jnp.einsum("bnhij,bnihv->bnjhv", A, doc)
+    kd = kc * jnp.exp(glast - Gc)
+    BK = q.shape[-1] // parts
+    dvs = [jnp.einsum("bnchk,bnhkv->bnchv", kd[..., i * BK : (i + 1) * BK], dh[..., i * BK : (i + 1) * BK, :]) for i in range(parts)]
+    dvs[0] += jnp.einsum("bnhij,bnihv->bnjhv", A, doc)
+    dv = dvs[0] if parts == 1 else jnp.stack(dvs)
     mask = jnp.tril(jnp.ones((C, C), bool))[None, None, :, :, None]
     dA = jnp.where(mask, scale * jnp.einsum("bnihv,bnjhv->bnijh", doc, vc), 0.0)
     dq_inter = scale * jnp.exp(Gc) * jnp.einsum("bnihv,bnhkv->bnihk", doc, h)
@@ -174,7 +192,8 @@ def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale):
     dG = dG.at[:, :, -1].add(last)
     dG = jnp.flip(jnp.cumsum(jnp.flip(dG, 2), axis=2), 2)
     flat = lambda x, dt: x.reshape(q.shape[0], *x.shape[3:]).astype(dt)
-    return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype), flat(dG, f32)
+    dv = flat(dv, v.dtype) if parts == 1 else dv.reshape(parts, q.shape[0], *dv.shape[4:])
+    return flat(dq, q.dtype), flat(dk, k.dtype), dv, flat(dG, f32)
 
 
 def gla_bwd_dh(qg, do, G, dht, cstart, ccount, *, scale):
@@ -274,18 +293,21 @@ def delta_wy(k, v, G, beta):
     return delta_wy_t(k, v, G, beta)[:2]
 
 
-def delta_bwd_dqkvg(q, k, vn, G, h, do, dh, *, scale):
+def delta_bwd_dqkvg(q, k, vn, G, h, do, dh, *, scale, parts=1):
     """kernels/simple_gla/bwd.py `chunk_bwd_dqkvg(delta=True)`: the simple GLA consumer on v_new
     with q/k head j // (HV / H); dq, dk per value head."""
     HV = vn.shape[1]
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
-    return bwd_dqkvg(rep(q), rep(k), vn, G, h, do, dh, scale=scale)
+    return bwd_dqkvg(rep(q), rep(k), vn, G, h, do, dh, scale=scale, parts=parts)
 
 
-def delta_wy_bwd(k, v, G, beta, Tm, dw, du):
+def delta_wy_bwd(k, v, G, beta, Tm, h, du):
     """kernels/delta/wy.py `chunk_delta_wy_bwd`: dk (per value head), dv, dG, dbeta, float32, by
-    JAX's VJP of the preparation (T recomputed)."""
+    JAX's VJP of the preparation (T recomputed), with `dw = -du h^T` rounded to the input dtype."""
     del Tm
+    NT, HV, K, V = h.shape
+    dw = -jnp.einsum("nchv,nhkv->nchk", du.astype(f32).reshape(NT, C, HV, V), h.astype(f32))
+    dw = dw.reshape(-1, HV, K).astype(du.dtype)
     kr = jnp.repeat(k, v.shape[1] // k.shape[1], axis=1).astype(f32)
     _, vjp = jax.vjp(lambda *a: _wy(*a)[:2], kr, v.astype(f32), G, beta)
     return vjp((dw.astype(f32), du.astype(f32)))
@@ -301,6 +323,8 @@ def call(target, results, *args, **attrs):
     programs = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)
     fn = next(f for suffix, f in programs.items() if target.endswith(suffix))
     attrs = {k: float(v) for k, v in attrs.items()}
+    if target.endswith("_dqkvg") and len(results[2].shape) == 4:  # dv in parts: the key channels split
+        attrs["parts"] = results[2].shape[0]
     out = fn(*args, **attrs)
     shapes = results if isinstance(results, tuple) else (results,)
     outs = out if isinstance(out, tuple) else (out,)

@@ -20,9 +20,11 @@ CASES = [
     Case("simple_gla", 1, 64, 1, 64, 64, dtype="bfloat16", gate="none", h0=True),
     Case("simple_gla", 1, 300, 2, 64, 64, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True),
     Case("simple_gla", 1, 256, 2, 64, 64, dtype="float16", cu=(0, 64, 128, 256), gate="g_gamma"),
+    Case("simple_gla", 1, 100, 1, 256, 256, dtype="bfloat16", h0=True),  # the consumer splits K: dv, dg in two parts
     Case("gla", 2, 100, 2, 64, 64, dtype="bfloat16", h0=True),
     Case("gla", 1, 130, 2, 128, 128, dtype="float16", norm=0.1),
     Case("gla", 1, 300, 2, 64, 64, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, norm=10),
+    Case("gla", 1, 100, 1, 256, 256, dtype="bfloat16", h0=True),  # the consumer splits K: dv in two parts
 ]
 
 
@@ -52,6 +54,7 @@ DELTA_CASES = [
     Case("gated_delta_rule", 1, 300, 1, 64, 64, HV=2, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, l2norm=True),
     Case("delta_rule", 1, 130, 2, 128, 128, dtype="float16", l2norm=True),
     Case("gated_delta_rule", 1, 64, 2, 64, 64, dtype="float16", norm=0.1),
+    Case("gated_delta_rule", 1, 100, 1, 256, 256, HV=2, dtype="bfloat16", h0=True),  # the consumer splits K
 ]
 
 

@@ -193,10 +193,12 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     return main
 
 
-def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None):
+def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
-    from `dw`, `du` (input dtype) to `dk` (per value head: the caller sums a group), `dv`, `dG`,
-    `dbeta` (float32). With `s = beta exp(G)`:
+    from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
+    (per value head: the caller sums a group), `dv`, `dG`, `dbeta` (float32). First
+    `dw = -du h^T` (`v_new = u - w h`), rounded to the input dtype, over value blocks of `BVH`
+    (an XLA matmul and a float32 round trip before). With `s = beta exp(G)`:
     `dkb = T^T dw`, `dvb = T^T du`, `dT = (dw k^T) Diag(s) + (du v^T) Diag(beta)`,
     `dA = -T^T dT T^T` (strictly lower part), `dkk = dA * exp(G_i - G_j) beta_i`,
     `dk = dkb s + dkk k + dkk^T k`, `dv = dvb beta`,
@@ -217,7 +219,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
         g: T.Tensor((L, HV), acc),
         beta: T.Tensor((L, HV), acc),
         t: T.Tensor((NT, HV, BT, BT), acc),
-        dw: T.Tensor((L, HV, K), dtype),
+        h: T.Tensor((NT, HV, K, V), dtype),
         du: T.Tensor((L, HV, V), dtype),
         dk: T.Tensor((L, HV, K), acc),
         dv: T.Tensor((L, HV, V), acc),
@@ -251,10 +253,19 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             acc_k = T.alloc_fragment((BT, K), acc)
             acc_k2 = T.alloc_fragment((BT, K), acc)
             krow = T.alloc_fragment((BT,), acc)
+            dub_s = T.alloc_shared((BT, BVH), dtype)
+            hb_s = T.alloc_shared((K, BVH), dtype)
 
+            # dw = -du h^T
+            T.clear(acc_k)
+            for vb in T.serial(V // BVH):
+                T.copy(du[t0 : t0 + BT, ihv, vb * BVH : (vb + 1) * BVH], dub_s)
+                T.copy(h[ic, ihv, 0:K, vb * BVH : (vb + 1) * BVH], hb_s)
+                T.gemm(dub_s, hb_s, acc_k, transpose_B=True)
+            for a, b in T.Parallel(BT, K):
+                dw_s[a, b] = T.cast(-acc_k[a, b], dtype)
             T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
             T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
-            T.copy(dw[t0 : t0 + BT, ihv, 0:K], dw_s)
             T.copy(du[t0 : t0 + BT, ihv, 0:V], du_s)
             T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)

@@ -169,10 +169,19 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
 
 
 def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                    stages: int | None = None, delta: bool = False):
+                    stages: int | None = None, delta: bool = False, BK: int | None = None):
+    """`BK` < K splits the key channels over `K / BK` programs per (chunk, head), each the
+    unsplit program at K = BK: dq and dk of a channel need only its q, k, h and dh rows (and dS,
+    which each program forms from do and v). What sums over all channels is written in float32
+    parts for the caller to sum: `dv [K / BK, L, heads, V]` (each part with its channels' share of
+    `A = scale Q K^T`) and `dg [K / BK, L, heads]`."""
+    BK = BK or K
+    split = BK < K
     # two-stage loads over the V blocks: 0.387 against 0.431 ms at 4,4096,16,128 bf16 (H200); at
     # K = 256 the second stage would need 273 KB of shared memory, over Hopper's 227 KB
-    stages = stages or (2 if K <= 128 else 1)
+    # (`stages = 0`: a plain loop, no producer warps: with `threads = 256` the two warpgroups then
+    # split every GEMM and elementwise step)
+    stages = (2 if BK <= 128 else 1) if stages is None else stages
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     NV = V // BV
@@ -181,98 +190,104 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     heads, group = (HV, HV // H) if delta else (H, 1)
 
     @T.macro
-    def body(q, k, v, g, h, do, dh, scale, dq, dk, dv, dg):
-        with T.Kernel(NT, heads, threads=threads) as (it, ihv):
-            ih = ihv // group
-            q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
-            kd_s = T.alloc_shared((BT, K), dtype)
-            g_s = T.alloc_shared((BT,), acc)
-            v_s = T.alloc_shared((BT, BV), dtype)
-            do_s = T.alloc_shared((BT, BV), dtype)
-            h_s = T.alloc_shared((K, BV), dtype)
-            dh_s = T.alloc_shared((K, BV), dtype)
-            a_s = T.alloc_shared((BT, BT), dtype)
-            ds_s = T.alloc_shared((BT, BT), dtype)
-            dv_s = T.alloc_shared((BT, BV), dtype)
-            dq_s = T.alloc_shared((BT, K), dtype)
-            dk_s = T.alloc_shared((BT, K), dtype)
-            dg_s = T.alloc_shared((BT,), acc)
-            hdh_s = T.alloc_shared((1,), acc)
-            acc_a = T.alloc_fragment((BT, BT), acc)
-            acc_da = T.alloc_fragment((BT, BT), acc)
-            acc_dq = T.alloc_fragment((BT, K), acc)
-            acc_dk = T.alloc_fragment((BT, K), acc)
-            acc_dv = T.alloc_fragment((BT, BV), acc)
-            prod = T.alloc_fragment((K, BV), acc)
-            prod_row = T.alloc_fragment((K,), acc)
-            prod_one = T.alloc_fragment((1,), acc)
-            qk = T.alloc_fragment((BT, K), acc)
-            qk_row = T.alloc_fragment((BT,), acc)
-            qk_row2 = T.alloc_fragment((BT,), acc)
-            kdk_one = T.alloc_fragment((1,), acc)
+    def body(it, ihv, ik, q, k, v, g, h, do, dh, scale, dq, dk, dv, dg):
+        ih = ihv // group
+        c0 = ik * BK  # this program's key channels
+        q_s = T.alloc_shared((BT, BK), dtype)
+        k_s = T.alloc_shared((BT, BK), dtype)
+        kd_s = T.alloc_shared((BT, BK), dtype)
+        g_s = T.alloc_shared((BT,), acc)
+        v_s = T.alloc_shared((BT, BV), dtype)
+        do_s = T.alloc_shared((BT, BV), dtype)
+        h_s = T.alloc_shared((BK, BV), dtype)
+        dh_s = T.alloc_shared((BK, BV), dtype)
+        a_s = T.alloc_shared((BT, BT), dtype)
+        ds_s = T.alloc_shared((BT, BT), dtype)
+        dv_s = None if split else T.alloc_shared((BT, BV), dtype)
+        dq_s = T.alloc_shared((BT, BK), dtype)
+        dk_s = T.alloc_shared((BT, BK), dtype)
+        dg_s = T.alloc_shared((BT,), acc)
+        hdh_s = T.alloc_shared((1,), acc)
+        acc_a = T.alloc_fragment((BT, BT), acc)
+        acc_da = T.alloc_fragment((BT, BT), acc)
+        acc_dq = T.alloc_fragment((BT, BK), acc)
+        acc_dk = T.alloc_fragment((BT, BK), acc)
+        acc_dv = T.alloc_fragment((BT, BV), acc)
+        prod = T.alloc_fragment((BK, BV), acc)
+        prod_row = T.alloc_fragment((BK,), acc)
+        prod_one = T.alloc_fragment((1,), acc)
+        qk = T.alloc_fragment((BT, BK), acc)
+        qk_row = T.alloc_fragment((BT,), acc)
+        qk_row2 = T.alloc_fragment((BT,), acc)
+        kdk_one = T.alloc_fragment((1,), acc)
 
-            T.copy(q[it * BT : (it + 1) * BT, ih, 0:K], q_s)
-            T.copy(k[it * BT : (it + 1) * BT, ih, 0:K], k_s)
-            T.copy(g[it * BT : (it + 1) * BT, ihv], g_s, disable_tma=True)
+        T.copy(q[it * BT : (it + 1) * BT, ih, c0 : c0 + BK], q_s)
+        T.copy(k[it * BT : (it + 1) * BT, ih, c0 : c0 + BK], k_s)
+        T.copy(g[it * BT : (it + 1) * BT, ihv], g_s, disable_tma=True)
+        for i in T.Parallel(1):
+            hdh_s[i] = 0.0
+        T.clear(acc_a)
+        T.gemm(q_s, k_s, acc_a, transpose_B=True)
+        for i, j in T.Parallel(BT, BT):
+            acc_a[i, j] = T.if_then_else(i >= j, acc_a[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
+        T.copy(acc_a, a_s)
+        for i, j in T.Parallel(BT, BK):
+            kd_s[i, j] = T.cast(T.cast(k_s[i, j], acc) * T.exp(g_s[BT - 1] - g_s[i]), dtype)
+        T.clear(acc_dq)
+        T.clear(acc_dk)
+        T.clear(acc_da)
+        for iv in T.Pipelined(NV, num_stages=stages) if stages else T.serial(NV):
+            T.copy(v[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV], v_s)
+            T.copy(do[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV], do_s)
+            T.copy(h[it, ihv, c0 : c0 + BK, iv * BV : (iv + 1) * BV], h_s)
+            T.copy(dh[it, ihv, c0 : c0 + BK, iv * BV : (iv + 1) * BV], dh_s)
+            for i, j in T.Parallel(BK, BV):
+                prod[i, j] = T.cast(h_s[i, j], acc) * T.cast(dh_s[i, j], acc)
+            T.reduce_sum(prod, prod_row, dim=1)
+            T.reduce_sum(prod_row, prod_one, dim=0)
             for i in T.Parallel(1):
-                hdh_s[i] = 0.0
-            T.clear(acc_a)
-            T.gemm(q_s, k_s, acc_a, transpose_B=True)
-            for i, j in T.Parallel(BT, BT):
-                acc_a[i, j] = T.if_then_else(i >= j, acc_a[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
-            T.copy(acc_a, a_s)
-            for i, j in T.Parallel(BT, K):
-                kd_s[i, j] = T.cast(T.cast(k_s[i, j], acc) * T.exp(g_s[BT - 1] - g_s[i]), dtype)
-            T.clear(acc_dq)
-            T.clear(acc_dk)
-            T.clear(acc_da)
-            for iv in T.Pipelined(NV, num_stages=stages):
-                T.copy(v[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV], v_s)
-                T.copy(do[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV], do_s)
-                T.copy(h[it, ihv, 0:K, iv * BV : (iv + 1) * BV], h_s)
-                T.copy(dh[it, ihv, 0:K, iv * BV : (iv + 1) * BV], dh_s)
-                for i, j in T.Parallel(K, BV):
-                    prod[i, j] = T.cast(h_s[i, j], acc) * T.cast(dh_s[i, j], acc)
-                T.reduce_sum(prod, prod_row, dim=1)
-                T.reduce_sum(prod_row, prod_one, dim=0)
-                for i in T.Parallel(1):
-                    hdh_s[i] = hdh_s[i] + prod_one[i]
-                T.clear(acc_dv)
-                T.gemm(kd_s, dh_s, acc_dv)
-                T.gemm(a_s, do_s, acc_dv, transpose_A=True)
+                hdh_s[i] = hdh_s[i] + prod_one[i]
+            T.clear(acc_dv)
+            T.gemm(kd_s, dh_s, acc_dv)
+            T.gemm(a_s, do_s, acc_dv, transpose_A=True)
+            if split:
+                T.copy(acc_dv, dv[ik, it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
+            else:
                 T.copy(acc_dv, dv_s)
                 T.copy(dv_s, dv[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
-                T.gemm(do_s, v_s, acc_da, transpose_B=True)
-                T.gemm(do_s, h_s, acc_dq, transpose_B=True)
-                T.gemm(v_s, dh_s, acc_dk, transpose_B=True)
-            # inter-chunk parts, and sum_j k_j . dk_inter_j for the last row's gate gradient
-            for i, j in T.Parallel(BT, K):
-                acc_dq[i, j] = acc_dq[i, j] * T.exp(g_s[i]) * scale
-                acc_dk[i, j] = acc_dk[i, j] * T.exp(g_s[BT - 1] - g_s[i])
-            for i, j in T.Parallel(BT, K):
-                qk[i, j] = acc_dk[i, j] * T.cast(k_s[i, j], acc)
-            T.reduce_sum(qk, qk_row, dim=1)
-            T.reduce_sum(qk_row, kdk_one, dim=0)
-            for i, j in T.Parallel(BT, BT):
-                acc_da[i, j] = T.if_then_else(i >= j, acc_da[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
-            T.copy(acc_da, ds_s)
-            T.gemm(ds_s, k_s, acc_dq)
-            T.gemm(ds_s, q_s, acc_dk, transpose_A=True)
-            for i, j in T.Parallel(BT, K):
-                qk[i, j] = acc_dq[i, j] * T.cast(q_s[i, j], acc)
-            T.reduce_sum(qk, qk_row, dim=1)
-            for i, j in T.Parallel(BT, K):
-                qk[i, j] = acc_dk[i, j] * T.cast(k_s[i, j], acc)
-            T.reduce_sum(qk, qk_row2, dim=1)
-            for i in T.Parallel(BT):
-                dg_s[i] = qk_row[i] - qk_row2[i] + T.if_then_else(
-                    i == BT - 1, T.exp(g_s[BT - 1]) * hdh_s[0] + kdk_one[0], 0.0
-                )
-            T.copy(acc_dq, dq_s)
-            T.copy(dq_s, dq[it * BT : (it + 1) * BT, ihv, 0:K])
-            T.copy(acc_dk, dk_s)
-            T.copy(dk_s, dk[it * BT : (it + 1) * BT, ihv, 0:K])
+            T.gemm(do_s, v_s, acc_da, transpose_B=True)
+            T.gemm(do_s, h_s, acc_dq, transpose_B=True)
+            T.gemm(v_s, dh_s, acc_dk, transpose_B=True)
+        # inter-chunk parts, and sum_j k_j . dk_inter_j for the last row's gate gradient
+        for i, j in T.Parallel(BT, BK):
+            acc_dq[i, j] = acc_dq[i, j] * T.exp(g_s[i]) * scale
+            acc_dk[i, j] = acc_dk[i, j] * T.exp(g_s[BT - 1] - g_s[i])
+        for i, j in T.Parallel(BT, BK):
+            qk[i, j] = acc_dk[i, j] * T.cast(k_s[i, j], acc)
+        T.reduce_sum(qk, qk_row, dim=1)
+        T.reduce_sum(qk_row, kdk_one, dim=0)
+        for i, j in T.Parallel(BT, BT):
+            acc_da[i, j] = T.if_then_else(i >= j, acc_da[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
+        T.copy(acc_da, ds_s)
+        T.gemm(ds_s, k_s, acc_dq)
+        T.gemm(ds_s, q_s, acc_dk, transpose_A=True)
+        for i, j in T.Parallel(BT, BK):
+            qk[i, j] = acc_dq[i, j] * T.cast(q_s[i, j], acc)
+        T.reduce_sum(qk, qk_row, dim=1)
+        for i, j in T.Parallel(BT, BK):
+            qk[i, j] = acc_dk[i, j] * T.cast(k_s[i, j], acc)
+        T.reduce_sum(qk, qk_row2, dim=1)
+        for i in T.Parallel(BT):
+            dg_s[i] = qk_row[i] - qk_row2[i] + T.if_then_else(
+                i == BT - 1, T.exp(g_s[BT - 1]) * hdh_s[0] + kdk_one[0], 0.0
+            )
+        T.copy(acc_dq, dq_s)
+        T.copy(dq_s, dq[it * BT : (it + 1) * BT, ihv, c0 : c0 + BK])
+        T.copy(acc_dk, dk_s)
+        T.copy(dk_s, dk[it * BT : (it + 1) * BT, ihv, c0 : c0 + BK])
+        if split:
+            T.copy(dg_s, dg[ik, it * BT : (it + 1) * BT, ihv], disable_tma=True)
+        else:
             T.copy(dg_s, dg[it * BT : (it + 1) * BT, ihv], disable_tma=True)
 
     @T.prim_func
@@ -287,9 +302,14 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
         scale: T.float32,
         dq: T.Tensor((L, heads, K), dtype),
         dk: T.Tensor((L, heads, K), dtype),
-        dv: T.Tensor((L, heads, V), dtype),
-        dg: T.Tensor((L, heads), acc),
+        dv: T.Tensor((K // BK, L, heads, V) if split else (L, heads, V), acc if split else dtype),
+        dg: T.Tensor((K // BK, L, heads) if split else (L, heads), acc),
     ):
-        body(q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
+        if split:
+            with T.Kernel(NT, heads, K // BK, threads=threads) as (it, ihv, ik):
+                body(it, ihv, ik, q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
+        else:
+            with T.Kernel(NT, heads, threads=threads) as (it, ihv):
+                body(it, ihv, 0, q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
 
     return main
