@@ -221,6 +221,32 @@ def test_tilelang_long_sequence_has_no_index_overflow():
 
 @on_hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_gla_gates_at_scale(K):
+    """GLA on a grid of thousands of programs (B, T, H = 8, 2048, 16; 8 heads at K = 256): the
+    in-chunk cumulative gates `a` writes against float64, and the output against the xla
+    backend. At K = 64 two threads per channel once raced in the cumulative sum, which small
+    grids did not show."""
+    B, T, H = 8, 2048, 16 if K < 256 else 8
+    rng = np.random.default_rng(K)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16) for _ in range(3))
+    g = (-np.logaddexp(0, -rng.standard_normal((B, T, H, K))) / 16).astype(np.float32)
+    variant = variants.find("gla", "fwd", "bfloat16", K, K)
+    prog = next(p for p in variant.programs if p.name == "a")
+    flat = lambda x: jnp.asarray(x).reshape(B * T, H, K)
+    results = (jax.ShapeDtypeStruct((B * T // 64, H, 64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((B * T, H, K), jnp.float32),
+               jax.ShapeDtypeStruct((B * T, H, K), jnp.bfloat16), jax.ShapeDtypeStruct((B * T, H, K), jnp.bfloat16))
+    run = jax.jit(lambda *a: tilelang_backend._call(variant.target(prog), results, *a, scale=np.float32(K**-0.5)))
+    G = np.asarray(run(flat(q), flat(k), flat(g))[1])
+    ref = np.cumsum(g.astype(np.float64).reshape(-1, 64, H, K), axis=1).reshape(G.shape)
+    assert np.max(np.abs(G - ref) / (1 + np.abs(ref))) < 1e-5
+    o1, h1 = jax.jit(lambda *a: fla_jax.chunk_gla(*a, output_final_state=True, backend="tilelang"))(q, k, v, jnp.asarray(g))
+    o2, h2 = jax.jit(lambda *a: fla_jax.chunk_gla(*a, output_final_state=True, backend="xla"))(q, k, v, jnp.asarray(g))
+    assert err_ratio(o2, o1) < 0.01 and err_ratio(h2, h1) < 0.01
+
+
+@on_hopper
+@pytest.mark.gpu
 def test_tilelang_bad_shape_is_a_python_error():
     x = jnp.zeros((1, 64, 2, 96), jnp.bfloat16)
     with pytest.raises(fla_jax.BackendUnavailableError, match="K = 96"):
