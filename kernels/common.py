@@ -40,33 +40,20 @@ def publish_state(b_h, s_s, s_ready, s_free, i, store_h, h, c0, head, iv):
     read the previous state (and, with `store_h`, its TMA store to `h` has), the float32 state
     `b_h` into `s_s` in the input dtype for warpgroup 1 (signalled on `s_ready`); with `store_h`
     also to `h[c0 + i, head, :, V block iv]` by a TMA store that runs on while warpgroup 0 works.
-    `s_s [2, K, BV]` (with two barriers each): double-buffered, chunk i in buffer i % 2, so that
-    warpgroup 0 waits only for warpgroup 1's read of the state two chunks back."""
-    K, BV = (int(d) for d in s_s.shape[-2:])
-    if len(s_s.shape) == 2:
-        if i >= 1:
-            T.barrier_wait(s_free[0], (i + 1) % 2)
-            if store_h:
-                T.tma_store_wait()
-                T.sync_threads(8, 128)
-        T.copy(b_h, s_s)
-        T.fence_proxy_async()
-        T.barrier_arrive(s_ready[0])
+    (Double-buffering `s_s`, jla's choice, measured no faster: 0.131 against 0.126 ms for simple
+    GLA, 0.105 against 0.099 for GLA at 4,4096,16,128 on the H200, 2026-12-03.)"""
+    K, BV = (int(d) for d in s_s.shape)
+    if i >= 1:
+        T.barrier_wait(s_free[0], (i + 1) % 2)
         if store_h:
-            T.sync_threads(8, 128)
-            T.tma_copy(s_s, h[c0 + i, head, 0:K, iv * BV : (iv + 1) * BV])
-    else:
-        if i >= 2:
-            T.barrier_wait(s_free[i % 2], (i // 2 + 1) % 2)
-        if store_h and i >= 1:  # the store from this buffer (two chunks back) has read it
             T.tma_store_wait()
             T.sync_threads(8, 128)
-        T.copy(b_h, s_s[i % 2, :, :])
-        T.fence_proxy_async()
-        T.barrier_arrive(s_ready[i % 2])
-        if store_h:
-            T.sync_threads(8, 128)
-            T.tma_copy(s_s[i % 2, :, :], h[c0 + i, head, 0:K, iv * BV : (iv + 1) * BV])
+    T.copy(b_h, s_s)
+    T.fence_proxy_async()
+    T.barrier_arrive(s_ready[0])
+    if store_h:
+        T.sync_threads(8, 128)
+        T.tma_copy(s_s, h[c0 + i, head, 0:K, iv * BV : (iv + 1) * BV])
 
 
 @T.macro
@@ -77,7 +64,7 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
     warpgroup 0 works, then `o = scale (q * exp(G)) S + P values` from the state warpgroup 0
     published in `h_s`, into `o[t0 : t0 + BT, head, V block iv]`. `values_published`: `values`
     (v_new) is published by warpgroup 0 too, so `s_free` is signalled after the last GEMM reads
-    it, not after the state's. `h_s [2, K, BV]`: the state double-buffered (`publish_state`)."""
+    it, not after the state's."""
     BT, BV = (int(d) for d in o_s.shape)
     T.barrier_wait(full[slot], (i // stages) % 2)
     T.clear(acc_s)
@@ -85,17 +72,11 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
     for r, c in T.Parallel(BT, BT):
         acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
     T.copy(acc_s, p_s)
-    if len(h_s.shape) == 2:
-        T.barrier_wait(s_ready[0], i % 2)
-        T.clear(acc_o)
-        T.gemm(q_s[slot, :, :], h_s, acc_o)
-        if not values_published:
-            T.barrier_arrive(s_free[0])
-    else:
-        T.barrier_wait(s_ready[i % 2], (i // 2) % 2)
-        T.clear(acc_o)
-        T.gemm(q_s[slot, :, :], h_s[i % 2, :, :], acc_o)
-        T.barrier_arrive(s_free[i % 2])
+    T.barrier_wait(s_ready[0], i % 2)
+    T.clear(acc_o)
+    T.gemm(q_s[slot, :, :], h_s, acc_o)
+    if not values_published:
+        T.barrier_arrive(s_free[0])
     for r, c in T.Parallel(BT, BV):
         acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
     T.gemm(p_s, values, acc_o)

@@ -117,9 +117,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_s2", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("stages", 2),)),
         Program(name="x_fused_h_s2", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True), ("stages", 2))),
-        Program(name="x_fused_pub2", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("pub", 2),)),
-        Program(name="x_fused_h_pub2", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
-                config=(("store_h", True), ("pub", 2))),
         Program(name="x_a_exact", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
                 config=(("bounded", False),)),
         Program(name="x_a_nolo", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
@@ -157,7 +154,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 outputs=("o", "vnew", "h", "ht"), config=(("store_h", True),)),
     ),
     # the one-pass forward in one warpgroup (the default before the warp-specialized one); V blocks of 128;
-    # 3 and 4 stages; the published state double-buffered
+    # 3 and 4 stages
     ("simple_gla", "fwd", "bf16", 128): (
         Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht")),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
@@ -165,9 +162,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_bv128", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
         Program(name="x_fused_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("stages", 3),)),
         Program(name="x_fused_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("stages", 4),)),
-        Program(name="x_fused_pub2", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("pub", 2),)),
-        Program(name="x_fused_h_pub2", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
-                config=(("store_h", True), ("pub", 2))),
     ),
     # at K = 64 too (an earlier session measured the one-warpgroup op forward faster there)
     ("simple_gla", "fwd", "bf16", 64): (
@@ -178,18 +172,11 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the state-gradient pass in one warpgroup (the default before), and so with K split in two
     # (twice the programs; dispatched for grids of at most 66 programs before the warp-specialized pass).
     # (The consumer with one stage, 108 KB of shared memory against 165 so two programs per SM, measured
-    # 0.428 against 0.397 ms; on the delta rules' v_new 0.594 against 0.576: not kept.) The consumer
-    # with two warpgroups sharing every step, loads not pipelined.
+    # 0.428 against 0.397 ms; on the delta rules' v_new 0.594 against 0.576: not kept.)
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
                 config=(("BK", 64),)),
-        Program(name="x_dqkvg_t256", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("threads", 256), ("stages", 0))),
-    ),
-    ("delta", "bwd", "bf16", 128): (
-        Program(name="x_dqkvg_t256", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), ("threads", 256), ("stages", 0))),
     ),
 }
 

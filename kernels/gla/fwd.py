@@ -227,8 +227,7 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
     return main
 
 
-def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None, store_h: bool = False,
-                  pub: int = 1):
+def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None, store_h: bool = False):
     """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
@@ -242,7 +241,7 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
     `qg = q exp(G)` and `kg = k exp(G_C - G)` come from `chunk_gla_a`, rounded to the input dtype
     as the GEMMs take them, so this pass reads neither q, k nor the float32 gates of every row.
     Three stages where they fit (K <= 128; 0.093 against 0.106 ms for two at 4,4096,16,128 bf16
-    on an H200), else two. `pub = 2`: the published state double-buffered (`publish_state`)."""
+    on an H200), else two."""
     stages = stages or (3 if K <= 128 else 2)
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
@@ -257,14 +256,14 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
             v_s = T.alloc_shared((stages, BT, BV), dtype)
             a_s = T.alloc_shared((stages, BT, BT), dtype)
             gl_s = T.alloc_shared((stages, K), acc)
-            s_s = T.alloc_shared((K, BV) if pub == 1 else (pub, K, BV), dtype)
+            s_s = T.alloc_shared((K, BV), dtype)
             o_s = T.alloc_shared((BT, BV), dtype)
             b_h = T.alloc_fragment((K, BV), acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
             free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
-            s_ready = T.alloc_barrier([128] * pub)  # warpgroup 0 published S
-            s_free = T.alloc_barrier([128] * pub)  # warpgroup 1 has read it
+            s_ready = T.alloc_barrier([128])  # warpgroup 0 published S
+            s_free = T.alloc_barrier([128])  # warpgroup 1 has read it
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
@@ -300,16 +299,10 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
                     slot = i % stages
                     t0 = (c0 + i) * BT
                     T.barrier_wait(full[slot], (i // stages) % 2)
-                    if pub == 1:
-                        T.barrier_wait(s_ready[0], i % 2)
-                        T.clear(acc_o)
-                        T.gemm(qg_s[slot, :, :], s_s, acc_o)
-                        T.barrier_arrive(s_free[0])
-                    else:
-                        T.barrier_wait(s_ready[i % 2], (i // 2) % 2)
-                        T.clear(acc_o)
-                        T.gemm(qg_s[slot, :, :], s_s[i % 2, :, :], acc_o)
-                        T.barrier_arrive(s_free[i % 2])
+                    T.barrier_wait(s_ready[0], i % 2)
+                    T.clear(acc_o)
+                    T.gemm(qg_s[slot, :, :], s_s, acc_o)
+                    T.barrier_arrive(s_free[0])
                     for r, c in T.Parallel(BT, BV):
                         acc_o[r, c] = acc_o[r, c] * scale
                     T.gemm(a_s[slot, :, :], v_s[slot, :, :], acc_o)

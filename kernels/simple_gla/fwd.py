@@ -113,7 +113,7 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT))
 
 
-def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False, pub: int = 1):
+def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False):
     """The one-pass forward, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
@@ -122,10 +122,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
       the input dtype to shared memory (and, with `store_h`, to `h` by a TMA store that runs
       while it works), then `S <- exp(G_C) S + k^T (v * exp(G_C - G))`;
     * warpgroup 1 computes `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while warpgroup 0 works,
-      then `o = scale (q * exp(G)) S + P v` from the published state, and stores it.
-
-    `pub = 2`: the published state double-buffered (jla's choice), so that warpgroup 0 need not
-    wait for warpgroup 1's read of the previous one."""
+      then `o = scale (q * exp(G)) S + P v` from the published state, and stores it."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
 
@@ -138,7 +135,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
             k_s = T.alloc_shared((stages, BT, K), dtype)
             v_s = T.alloc_shared((stages, BT, BV), dtype)
             g_s = T.alloc_shared((stages, BT), acc)
-            h_s = T.alloc_shared((K, BV) if pub == 1 else (pub, K, BV), dtype)
+            h_s = T.alloc_shared((K, BV), dtype)
             vd_s = T.alloc_shared((BT, BV), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
             o_s = T.alloc_shared((BT, BV), dtype)
@@ -147,8 +144,8 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
             acc_s = T.alloc_fragment((BT, BT), acc)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
             free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
-            s_ready = T.alloc_barrier([128] * pub)  # warpgroup 0 published S
-            s_free = T.alloc_barrier([128] * pub)  # warpgroup 1 has read it
+            s_ready = T.alloc_barrier([128])  # warpgroup 0 published S
+            s_free = T.alloc_barrier([128])  # warpgroup 1 has read it
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
