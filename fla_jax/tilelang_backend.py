@@ -272,15 +272,16 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
         dq, dk = group_sum(dq), group_sum(dk)
     else:
         _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
-        dq, dk, _, du, dG, _ = local_vjp((f32(dof), f32(dh)))
+        dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
     if wy_kernel:  # it forms dw = -du h^T itself (v_new = u - w h)
         outs = (_like(kf, jnp.float32, HV), _like(vf, jnp.float32), _like(Gf), _like(Gf))
         dk2, dv, dG2, dbeta = _call(bwd["wy_bwd"], outs, kf, vf, Gf, flat[4], Tm, hf, du.astype(kf.dtype))
         dk2 = group_sum(dk2)
     else:
-        NT = hf.shape[0]
-        dw = -jnp.einsum("nchv,nhkv->nchk", du.astype(hf.dtype).reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32)
-        dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw.reshape(-1, HV, K), f32(du))
+        if fused:  # the XLA WY VJP takes dw = -du h^T
+            NT = hf.shape[0]
+            dw = -jnp.einsum("nchv,nhkv->nchk", du.reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32).reshape(-1, HV, K)
+        dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, f32(du))
     return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
 
