@@ -159,9 +159,6 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
             v, h0 = x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
             h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
             return (like(v), *h, like(h0)), (q, k, v, Gk, a, h0, cstart, ccount), scale
-    if op in ("simple_gla", "delta") and name == "dqkvg":  # the consumer (delta: on v_new, one value head per q/k head)
-        q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
-        return (like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
     if op in ("simple_gla", "delta") and name in ("fused", "fused_h"):  # the state pass, 2 sequences
         q, k, v, h0 = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()

@@ -37,41 +37,28 @@ def half_limit(dtype: str) -> float:
     return 60.0 if dtype == "bfloat16" else 4.0
 
 
-def chunk_cumsum(g_s, threads: int = 128):
+@T.macro
+def chunk_cumsum(g_s, threads):
     """`g_s [BT, K]` (float32, shared memory) <- its cumulative sum along the rows, in place: a row
     at a time, each thread's channels a running sum in registers.
 
     With fewer channels than threads (K = 64 in 128 threads) a `[K]` fragment is held twice, and
     two threads would read and write each element in place: a race (seen on the H200 at
-    8,2048,16,64: wrong G, and every chunk then took the exact path). There the rows are cut in
-    `threads / K` blocks, each summed by its own threads, and each block then adds the last row
-    of the one before it."""
+    8,2048,16,64: wrong G, and every chunk then took the exact path). So the rows are cut in
+    `threads / K` blocks (one where K >= threads), each summed by its own threads, and each block
+    then adds the last row of the one before it."""
     BT, K = (int(d) for d in g_s.shape)
     parts = max(1, threads // K)
     R = BT // parts
-
-    @T.macro
-    def whole():
-        run = T.alloc_fragment((K,), "float32")
-        T.clear(run)
-        for i in T.unroll(BT):  # unrolled: the loads of later rows issue ahead of the running sum
-            for c in T.Parallel(K):
-                run[c] = run[c] + g_s[i, c]
-                g_s[i, c] = run[c]
-
-    @T.macro
-    def blocked():
-        run = T.alloc_fragment((parts, K), "float32")
-        T.clear(run)
-        for i in T.unroll(R):
-            for b, c in T.Parallel(parts, K):
-                run[b, c] = run[b, c] + g_s[b * R + i, c]
-                g_s[b * R + i, c] = run[b, c]
-        for b in range(1, parts):  # block b after block b - 1 is final
-            for i, c in T.Parallel(R, K):
-                g_s[b * R + i, c] = g_s[b * R + i, c] + g_s[b * R - 1, c]
-
-    return whole if parts == 1 else blocked
+    run = T.alloc_fragment((parts, K), "float32")
+    T.clear(run)
+    for i in T.unroll(R):  # unrolled: the loads of later rows issue ahead of the running sum
+        for b, c in T.Parallel(parts, K):
+            run[b, c] = run[b, c] + g_s[b * R + i, c]
+            g_s[b * R + i, c] = run[b, c]
+    for b in range(1, parts):  # block b after block b - 1 is final
+        for i, c in T.Parallel(R, K):
+            g_s[b * R + i, c] = g_s[b * R + i, c] + g_s[b * R - 1, c]
 
 
 @T.macro
@@ -208,7 +195,7 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
             T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
             T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
             T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
-            chunk_cumsum(g_s, threads)()
+            chunk_cumsum(g_s, threads)
             T.copy(g_s, gc[t0 : t0 + BT, ih, 0:K])
             for i, c in T.Parallel(BT, K):  # the state pass's operands, rounded as its GEMMs take them
                 qg[t0 + i, ih, c] = T.cast(T.cast(q_s[i, c], acc) * T.exp(g_s[i, c]), dtype)
