@@ -97,6 +97,13 @@ def _jax_fns(impl, op):
 
 
 def bench_jax(impl, op, shape):
+    fwd, fwdbwd, args = jax_step(impl, op, shape)
+    return _jax_time(fwd, args), _jax_time(fwdbwd, args)
+
+
+def jax_step(impl, op, shape):
+    """`(fwd, fwdbwd, args)`: the jitted forward and training step (loss and gradients) of one
+    JAX implementation on the benchmark's inputs."""
     import jax
     import jax.numpy as jnp
 
@@ -113,8 +120,7 @@ def bench_jax(impl, op, shape):
     fwdbwd = jax.jit(
         jax.value_and_grad(lambda q, k, v, g, beta: jnp.sum(call(q, k, v, g, beta).astype(jnp.float32) * do), argnums=argnums)
     )
-    args = (q, k, v, g, beta)
-    return _jax_time(fwd, args), _jax_time(fwdbwd, args)
+    return fwd, fwdbwd, (q, k, v, g, beta)
 
 
 # ----------------------------------------------------------------------------- torch side

@@ -72,7 +72,9 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             "fused": ((like(v), like(v), final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final), (q, k, w, do, G, h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), split(v), split(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new
-            "wy_bwd": (tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (k, v, G, G)), (k, v, G, beta, Tm, h, u), {}),
+            "norm": ((like(q), jax.ShapeDtypeStruct(G.shape, jnp.float32)), (q,), {}),
+            "norm_bwd": (like(q), (q, G, do), {}),
+            "wy_bwd": ((like(k), like(v), *(jax.ShapeDtypeStruct(G.shape, jnp.float32) for _ in "gb")), (k, v, G, beta, Tm, h, u, k), {}),
         }
         f32 = lambda a: a.astype(jnp.float32)
         local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])

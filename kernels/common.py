@@ -85,3 +85,24 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
     T.barrier_arrive(free[slot])
     T.copy(acc_o, o_s)
     T.copy(o_s, o[t0 : t0 + BT, head, iv * BV : (iv + 1) * BV])
+
+
+@T.macro
+def delta_stage_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, full, free, nc, stages, c_first, step, ih, ihv, iv):
+    """The loading warpgroup of the delta rules' warp-specialized passes: chunk `c_first + step i`
+    (`step` 1 forward, -1 in reverse) of q, k (head `ih`), w and the V block `iv` of `x` (u, or
+    do) by TMA, and G, into stage `i % stages` once both users freed it."""
+    BT, BV = (int(d) for d in x_s.shape[1:])
+    K = int(q_s.shape[2])
+    T.set_max_nreg(40, 0)
+    for i in T.serial(nc):
+        slot = i % stages
+        if i >= stages:
+            T.barrier_wait(free[slot], (i // stages + 1) % 2)
+        t0 = (c_first + step * i) * BT
+        T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(w[t0 : t0 + BT, ihv, 0:K], w_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(x[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], x_s[slot, :, :], barrier=full[slot])
+        T.copy(g[t0 : t0 + BT, ihv], g_s[slot, :], disable_tma=True)
+        T.barrier_arrive(full[slot])

@@ -64,6 +64,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
     ),
     ("delta", "fwd"): (
+        # use_qk_l2norm_in_kernel: q and k normalised in one pass each (r = 1 / |x|, for the backward)
+        Program(name="norm", module="delta.norm", builder="l2norm_fwd", outputs=("y", "r")),
         Program(name="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u")),
         Program(name="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"), config=(("store_t", True),)),
         Program(name="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht")),
@@ -71,7 +73,9 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("store_h", True),)),
     ),
     ("delta", "bwd"): (
-        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0")),
+        # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit)
+        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0"), dims=(64, 128)),
+        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0"), dims=(256,)),
         # the simple GLA consumer on v_new (dv is the gradient of v_new): with DELTA_FUSED_BWD (the default)
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True),), dims=(64, 128)),
@@ -79,6 +83,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("delta", True), ("BK", 128)), dims=(256,)),
         # the WY preparation's VJP given T: with DELTA_WY_BWD_KERNEL (the default)
         Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
+        # the normalisation's gradient
+        Program(name="norm_bwd", module="delta.norm", builder="l2norm_bwd", outputs=("dx",)),
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
@@ -141,10 +147,15 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dqkvg_exact", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
                 outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
     ),
-    # the WY inverse row by row (the default before the blocked one); T stored by TMA; the state
-    # pass in one warpgroup (the default before the warp-specialized one)
+    # the WY inverse row by row (the default before the blocked one), with the block rows by
+    # tensor-core merges (slower, see kernels/delta/wy.py), with the diagonal blocks a row per step
+    # (the default before); T stored by TMA; the state pass in one
+    # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
         Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),
+        Program(name="x_wy_merged", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("merged", True),)),
+        Program(name="x_wy_diag_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"),
+                config=(("warp_diagonal", False),)),
         Program(name="x_wy_t_tma", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("tma_t", True))),
         Program(name="x_fused_1wg", of="fused", module="delta.fwd", builder="chunk_delta_fwd_1wg", outputs=("o", "vnew", "ht")),
@@ -173,6 +184,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # (twice the programs; dispatched for grids of at most 66 programs before the warp-specialized pass).
     # (The consumer with one stage, 108 KB of shared memory against 165 so two programs per SM, measured
     # 0.428 against 0.397 ms; on the delta rules' v_new 0.594 against 0.576: not kept.)
+    # the delta rules' state-gradient pass in one warpgroup (the default before)
+    ("delta", "bwd", "bf16", 128): (
+        Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0")),
+    ),
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),

@@ -301,19 +301,33 @@ def delta_bwd_dqkvg(q, k, vn, G, h, do, dh, *, scale, parts=1):
     return bwd_dqkvg(rep(q), rep(k), vn, G, h, do, dh, scale=scale, parts=parts)
 
 
-def delta_wy_bwd(k, v, G, beta, Tm, h, du):
-    """kernels/delta/wy.py `chunk_delta_wy_bwd`: dk (per value head), dv, dG, dbeta, float32, by
-    JAX's VJP of the preparation (T recomputed), with `dw = -du h^T` rounded to the input dtype."""
+def delta_wy_bwd(k, v, G, beta, Tm, h, du, dk0):
+    """kernels/delta/wy.py `chunk_delta_wy_bwd`: dk (per value head, plus dk0) and dv in the input
+    dtype, dG, dbeta (float32), by JAX's VJP of the preparation (T recomputed), with
+    `dw = -du h^T` rounded to the input dtype."""
     del Tm
     NT, HV, K, V = h.shape
     dw = -jnp.einsum("nchv,nhkv->nchk", du.astype(f32).reshape(NT, C, HV, V), h.astype(f32))
     dw = dw.reshape(-1, HV, K).astype(du.dtype)
     kr = jnp.repeat(k, v.shape[1] // k.shape[1], axis=1).astype(f32)
     _, vjp = jax.vjp(lambda *a: _wy(*a)[:2], kr, v.astype(f32), G, beta)
-    return vjp((dw.astype(f32), du.astype(f32)))
+    dk, dv, dG, dbeta = vjp((dw.astype(f32), du.astype(f32)))
+    return (dk + dk0.astype(f32)).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
-DELTA_PROGRAMS = {"_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
+def l2norm_fwd(x):
+    """kernels/delta/norm.py `l2norm_fwd`: x / |x| (input dtype) and 1 / |x| (float32)."""
+    r = jax.lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6)
+    return (x.astype(f32) * r[..., None]).astype(x.dtype), r
+
+
+def l2norm_bwd(x, r, dy):
+    """kernels/delta/norm.py `l2norm_bwd`: r (dy - y sum(dy y)), y = x r, input dtype."""
+    y, dy = x.astype(f32) * r[..., None], dy.astype(f32)
+    return (r[..., None] * (dy - y * jnp.sum(dy * y, axis=-1, keepdims=True))).astype(x.dtype)
+
+
+DELTA_PROGRAMS = {"_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
                   "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg,
                   "_wy_bwd": delta_wy_bwd}
 

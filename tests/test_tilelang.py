@@ -168,6 +168,11 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)  # w, u: T (k beta e^G) and T (v beta) in scale
         return (like(v), like(v), *h, like(h0)), (q, k, w, v, G, h0, cstart, ccount), scale
+    if (op, name) == ("delta", "dh"):  # the reverse pass, 2 sequences; k unit rows, w as T (k beta e^G) in scale
+        q, k, do, dht = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
+        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
+        w = (k.astype(jnp.float32) * 0.5).astype(dtype)
+        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, k, w, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy", "wy_t"):
         k = x(L, H, D)
         k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
@@ -200,6 +205,38 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     # the state passes of one warpgroup and the warp-specialized ones (v exp(G_C - G) is rounded
     # where k exp(G_C - G) was, do exp(G) where q exp(G) was)
     assert all(e <= (5e-3 if prog.kind in ("a", "fused", "fused_h", "dh") else 1e-2 if prog.kind == "dqkvg" else 2e-3) for e in errs), errs
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_delta_wy_inverse_against_float64(K):
+    """The WY preparation's stored `T = (I + A)^{-1}` (float32; at K <= 128 merged from 16 x 16
+    blocks on the tensor cores through bf16 hi/lo halves) against the float64 inverse of the
+    same A, on 512 chunks with strong and weak betas, NaN-poisoned outputs: it must stay at
+    float32-like accuracy (1e-4 of the largest entry; a single bf16 pass gives ~3e-3)."""
+    rng = np.random.default_rng(K)
+    L, H, NT = 512 * 64, 2, 512
+    k = rng.standard_normal((L, H, K))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((L, H, K)), jnp.bfloat16)
+    beta = jnp.asarray(rng.uniform(0.0, 2.0, (L, H)), jnp.float32)  # beta up to 2: (I + A) far from I
+    G = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H))) * 0.05, jnp.float32), 1).reshape(L, H)
+    p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
+    like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
+    results = (like(k), like(v), jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+        _, _, t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", K, K)["wy_t"], results, *a))(k, v, G, beta)
+    kc = np.asarray(k, np.float64).reshape(NT, 64, H, K).transpose(0, 2, 1, 3)
+    g = np.asarray(G, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
+    b = np.asarray(beta, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
+    a = np.tril(b[..., :, None] * (kc @ kc.transpose(0, 1, 3, 2)) * np.exp(g[..., :, None] - g[..., None, :]), -1)
+    want = np.linalg.inv(np.eye(64) + a)
+    got = np.asarray(t, np.float64)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"K={K} T error {err:.1e}, largest entry {np.abs(want).max():.1f}")
+    assert np.isfinite(got).all() and err < 1e-4, err
 
 
 @on_hopper
@@ -451,10 +488,12 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, monkeypatch):
         return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
                                               backend="tilelang")
 
-    programs = [("fwd", "wy"), ("fwd", "fused"), ("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
-    programs += [("bwd", "dqkvg")] * fused + [("bwd", "wy_bwd")] * wy_kernel
+    # q and k normalised by a kernel each (twice a call), and so their gradients
+    programs = [("fwd", "norm")] * 2 + [("fwd", "wy"), ("fwd", "fused")]
+    programs += [("fwd", "norm")] * 2 + [("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
+    programs += [("bwd", "dqkvg")] * fused + [("bwd", "wy_bwd")] * wy_kernel + [("bwd", "norm_bwd")] * 2
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]
-    fwd, both = _cuda_custom_calls(f, (x, x, v, gb, gb), names)
+    fwd, both = _cuda_custom_calls(f, (x, x, v, gb, gb), sorted(set(names)))
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]
-    assert kernels(fwd) == names[:2]
-    assert sorted(kernels(both)) == sorted(names[2:])
+    assert kernels(fwd) == names[:4]
+    assert sorted(kernels(both)) == sorted(names[4:])

@@ -15,9 +15,13 @@ chunk `h [NT, HV, K, V]` stored by the forward (`store_h`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from kernels.common import delta_stage_loads
 
-def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                       stages: int | None = None):
+
+def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
+                           stages: int | None = None):
+    """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched kernel
+    at K = 256, and at K <= 128 before `chunk_delta_bwd_dh` (kept as the experiment `x_dh_1wg`)."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     threads = threads or (256 if K > 128 else 128)
@@ -88,3 +92,106 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
             T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
     return main
+
+
+def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2):
+    """The reverse pass, warp-specialized as the forward's (`kernels/delta/fwd.py`): three
+    warpgroups per (V block, sequence * value head) program, K <= 128 (at K = 256 two stages would
+    not fit in shared memory: `chunk_delta_bwd_dh_1wg` there).
+
+    * warpgroup 2 streams each chunk's q, k, w, do (TMA) and G into `stages` buffers;
+    * warpgroup 1 does what does not depend on dS, ahead of the chain: `A^T do` (float32, into
+      `adv_s`), then rescales the stage's k and q in place to `k exp(G_C - G)` and
+      `scale q exp(G)`;
+    * warpgroup 0 keeps dS (float32) in registers and runs the chain: it publishes dS (input
+      dtype) and stores it as `dh` by TMA, forms `dv_new = A^T do + kd dS`, then
+      `dS <- exp(G_C) dS + qd^T do - w^T dv_new`."""
+    assert K <= 128, "K = 256: chunk_delta_bwd_dh_1wg"
+    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    acc = "float32"
+
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        k: T.Tensor((L, H, K), dtype),
+        w: T.Tensor((L, HV, K), dtype),
+        do: T.Tensor((L, HV, V), dtype),
+        g: T.Tensor((L, HV), acc),
+        dht: T.Tensor((N, HV, K, V), acc),
+        cstart: T.Tensor((N,), "int32"),
+        ccount: T.Tensor((N,), "int32"),
+        scale: T.float32,
+        dh: T.Tensor((NT, HV, K, V), dtype),
+        dh0: T.Tensor((N, HV, K, V), acc),
+    ):
+        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=384) as (iv, inh):
+            n = inh // HV
+            ihv = inh % HV
+            ih = ihv // (HV // H)
+            q_s = T.alloc_shared((stages, BT, K), dtype)
+            k_s = T.alloc_shared((stages, BT, K), dtype)
+            w_s = T.alloc_shared((stages, BT, K), dtype)
+            do_s = T.alloc_shared((stages, BT, BV), dtype)
+            g_s = T.alloc_shared((stages, BT), acc)
+            adv_s = T.alloc_shared((stages, BT, BV), acc)
+            a_s = T.alloc_shared((BT, BT), dtype)
+            dh_s = T.alloc_shared((K, BV), dtype)
+            dv_s = T.alloc_shared((BT, BV), dtype)
+            b_dh = T.alloc_fragment((K, BV), acc)
+            acc_dv = T.alloc_fragment((BT, BV), acc)
+            acc_a = T.alloc_fragment((BT, BT), acc)
+            acc_adv = T.alloc_fragment((BT, BV), acc)
+            full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
+            ready = T.alloc_barrier([128] * stages)  # warpgroup 1 is done with a stage (adv_s, kd, qd)
+            free = T.alloc_barrier([128] * stages)  # warpgroup 0 is done with a stage
+            c1 = cstart[n] + ccount[n] - 1
+            nc = ccount[n]
+            with T.ws(2):
+                delta_stage_loads(q, k, w, do, g, q_s, k_s, w_s, do_s, g_s, full, free, nc, stages, c1, -1, ih, ihv, iv)
+            with T.ws(1):
+                T.set_max_nreg(232, 1)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    T.clear(acc_a)
+                    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_a, transpose_B=True)
+                    for a, b in T.Parallel(BT, BT):
+                        acc_a[a, b] = T.if_then_else(a >= b, acc_a[a, b] * T.exp(g_s[slot, a] - g_s[slot, b]) * scale, 0.0)
+                    T.copy(acc_a, a_s)
+                    for a, b in T.Parallel(BT, K):
+                        k_s[slot, a, b] = T.cast(T.cast(k_s[slot, a, b], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, a]), dtype)
+                        q_s[slot, a, b] = T.cast(T.cast(q_s[slot, a, b], acc) * T.exp(g_s[slot, a]) * scale, dtype)
+                    T.clear(acc_adv)
+                    T.gemm(a_s, do_s[slot, :, :], acc_adv, transpose_A=True)
+                    T.copy(acc_adv, adv_s[slot, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ready[slot])
+            with T.ws(0):
+                T.set_max_nreg(232, 1)
+                T.copy(dht[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_dh)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    T.barrier_wait(ready[slot], (i // stages) % 2)
+                    if i >= 1:  # the store of the previous chunk's dS has read dh_s
+                        T.tma_store_wait()
+                        T.sync_threads(8, 128)
+                    T.copy(b_dh, dh_s)
+                    T.fence_proxy_async()
+                    T.sync_threads(8, 128)
+                    T.tma_copy(dh_s, dh[c1 - i, ihv, 0:K, iv * BV : (iv + 1) * BV])
+                    # dv_new = A^T do + kd dS
+                    T.copy(adv_s[slot, :, :], acc_dv)
+                    T.gemm(k_s[slot, :, :], dh_s, acc_dv)
+                    for a, b in T.Parallel(BT, BV):
+                        dv_s[a, b] = T.cast(-acc_dv[a, b], dtype)
+                    # dS <- exp(G_C) dS + qd^T do - w^T dv_new
+                    for a, b in T.Parallel(K, BV):
+                        b_dh[a, b] = b_dh[a, b] * T.exp(g_s[slot, BT - 1])
+                    T.gemm(q_s[slot, :, :], do_s[slot, :, :], b_dh, transpose_A=True)
+                    T.gemm(w_s[slot, :, :], dv_s, b_dh, transpose_A=True)
+                    T.barrier_arrive(free[slot])
+                T.tma_store_wait()
+                T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+
+    # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
+    return main.with_attr("fla.disable_shared_memory_reuse", 1)

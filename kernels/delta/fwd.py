@@ -18,7 +18,7 @@ The WY preparation (`kernels/delta/wy.py`) runs before this kernel, per chunk an
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import chunk_output_and_update, output_chunk
+from kernels.common import chunk_output_and_update, delta_stage_loads, output_chunk
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
@@ -166,18 +166,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
-                T.set_max_nreg(40, 0)
-                for i in T.serial(nc):
-                    slot = i % stages
-                    if i >= stages:
-                        T.barrier_wait(free[slot], (i // stages + 1) % 2)
-                    t0 = (c0 + i) * BT
-                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(w[t0 : t0 + BT, ihv, 0:K], w_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(u[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], u_s[slot, :, :], barrier=full[slot])
-                    T.copy(g[t0 : t0 + BT, ihv], g_s[slot, :], disable_tma=True)
-                    T.barrier_arrive(full[slot])
+                delta_stage_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, full, free, nc, stages, c0, 1, ih, ihv, iv)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)

@@ -36,12 +36,21 @@ def _hi_lo(BT: int, dtype: str, *, scaled: bool):
 
 
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
-                   blocked: bool | None = None, tma_t: bool = False):
+                   blocked: bool | None = None, merged: bool | None = None, tma_t: bool = False,
+                   late_v: bool | None = None, warp_diagonal: bool = True):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
     an H200. `tma_t`: store T with TMA, which makes TileLang swizzle the shared buffer the
-    substitution walks: 0.809 against 0.542 ms without (the default) at the same shape."""
+    substitution walks: 0.809 against 0.542 ms without (the default) at the same shape.
+    `merged` (blocked only): the block rows by merges on the tensor cores instead (jla's
+    `kkt_fwd`: 16 -> 32 -> 64 with `X <- X - X L X`, each float32 product as three bf16 hi/lo
+    products; T within 8e-6 of float64), with v loaded after the inverse (`late_v`, so that its
+    buffer takes the merges' operands and three programs still fit on an SM): 0.456 against 0.380
+    ms (0.573 with v loaded first, two programs per SM), 2026-12-03: the splits and the fences
+    between twelve small GEMMs cost more than the CUDA-core block rows. `warp_diagonal` (blocked
+    and merged): each warp inverts its diagonal block with the columns in registers (two barriers
+    in all) instead of one row per step through shared memory (thirty)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
@@ -50,23 +59,91 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     NB = 16  # blocked: block size; one thread per (diagonal block, half of j, column)
     if blocked is None:
         blocked = BT == 64 and threads == 128
+    merged = bool(merged) and blocked
+    if late_v is None:
+        late_v = merged
+    blocked = blocked and not merged
     assert not blocked or (BT == 64 and threads == 128), "the blocked inverse is written for BT = 64, 128 threads"
+    assert not merged or (BT == 64 and threads == 128), "the merged inverse is written for BT = 64, 128 threads"
 
     @T.macro
-    def invert_blocked(m_s, s, bpart_s, s_s, acc8):
+    def invert_diagonal(m_s, s, bpart_s, col):
+        # warp bb inverts diagonal block bb (rows and columns o .. o + 15)
         tx = T.get_thread_binding()
         bb, pp, cc = tx // 32, (tx // NB) % 2, tx % NB
         o = bb * NB
-        for i in T.serial(1, NB):
-            s[0] = 0.0
-            for jj in T.serial(T.max(T.min(i - pp * 8, 8), 0)):
-                s[0] += m_s[o + i, o + pp * 8 + jj] * m_s[o + pp * 8 + jj, o + cc]
-            bpart_s[bb, pp, cc] = s[0]
+        if warp_diagonal:
+            # lane (pp, cc) forms column cc of the block's inverse in registers (both halves alike),
+            # `T[i, cc] = [i = cc] - sum_{j < i} A[i, j] T[j, cc]`, every read of A a broadcast and
+            # no barrier until the columns are written back (rows i > cc, by half pp = 0)
+            for i in T.unroll(NB):
+                col[i] = T.if_then_else(i == cc, 1.0, 0.0)
+                for j in T.unroll(i):
+                    col[i] -= m_s[o + i, o + j] * col[j]
+            for i in T.unroll(NB):
+                if T.And(pp == 0, cc < i):
+                    m_s[o + i, o + cc] = col[i]
             T.sync_threads()
-            if pp == 0:
-                if cc < i:
-                    m_s[o + i, o + cc] = -(bpart_s[bb, 0, cc] + bpart_s[bb, 1, cc])
-            T.sync_threads()
+        else:
+            for i in T.serial(1, NB):
+                s[0] = 0.0
+                for jj in T.serial(T.max(T.min(i - pp * 8, 8), 0)):
+                    s[0] += m_s[o + i, o + pp * 8 + jj] * m_s[o + pp * 8 + jj, o + cc]
+                bpart_s[bb, pp, cc] = s[0]
+                T.sync_threads()
+                if pp == 0:
+                    if cc < i:
+                        m_s[o + i, o + cc] = -(bpart_s[bb, 0, cc] + bpart_s[bb, 1, cc])
+                T.sync_threads()
+
+    @T.macro
+    def invert_merged(m_s, acc_a, xh_s, xl_s, lh_s, ll_s):
+        # Diagonal blocks done: merge 16 -> 32 -> 64 with X <- X - X L X on the tensor cores (X the
+        # block-diagonal inverse so far, L the next level's off-diagonal blocks of A; only those
+        # blocks of the product are new), each float32 product as three bf16 hi/lo products
+        # (hi hi' + hi lo' + lo hi', about 16 mantissa bits, lo lo' dropped).
+        for lvl in T.unroll(2):
+            sz = NB << lvl  # the blocks merged: [sz, sz] pairs into [2 sz, 2 sz]
+            for a, b in T.Parallel(BT, BT):
+                xh_s[a, b] = T.cast(T.if_then_else(a // sz == b // sz, m_s[a, b], 0.0), "bfloat16")
+                xl_s[a, b] = T.cast(
+                    T.if_then_else(a // sz == b // sz, m_s[a, b] - T.cast(T.cast(m_s[a, b], "bfloat16"), acc), 0.0),
+                    "bfloat16",
+                )
+                lh_s[a, b] = T.cast(
+                    T.if_then_else(T.And((a // sz) % 2 == 1, b // sz == a // sz - 1), m_s[a, b], 0.0), "bfloat16"
+                )
+                ll_s[a, b] = T.cast(
+                    T.if_then_else(
+                        T.And((a // sz) % 2 == 1, b // sz == a // sz - 1),
+                        m_s[a, b] - T.cast(T.cast(m_s[a, b], "bfloat16"), acc),
+                        0.0,
+                    ),
+                    "bfloat16",
+                )
+            T.clear(acc_a)  # link = L X
+            T.gemm(lh_s, xh_s, acc_a)
+            T.gemm(lh_s, xl_s, acc_a)
+            T.gemm(ll_s, xh_s, acc_a)
+            for a, b in T.Parallel(BT, BT):
+                lh_s[a, b] = T.cast(acc_a[a, b], "bfloat16")
+                ll_s[a, b] = T.cast(acc_a[a, b] - T.cast(T.cast(acc_a[a, b], "bfloat16"), acc), "bfloat16")
+            T.clear(acc_a)  # X link: the new off-diagonal blocks are its negative
+            T.gemm(xh_s, lh_s, acc_a)
+            T.gemm(xh_s, ll_s, acc_a)
+            T.gemm(xl_s, lh_s, acc_a)
+            for a, b in T.Parallel(BT, BT):
+                if T.And((a // sz) % 2 == 1, b // sz == a // sz - 1):
+                    m_s[a, b] = -acc_a[a, b]
+
+    @T.macro
+    def invert_blocked(m_s, s, bpart_s, s_s, acc8, col):
+        invert_diagonal(m_s, s, bpart_s, col)
+        tx = T.get_thread_binding()
+        # (TileLang's ThreadSync warns here of a barrier hoisted out of `if col < r0` with "the
+        # race remains": a false positive. Inside the branch the first pass writes only s_s; the
+        # second reads rows r0.. at columns >= r0 and writes them at columns < r0. The passes and
+        # the block rows are separated by the barriers written here.)
         # Block rows I = 1, 2, 3 (rows r0 + r): thread tx owns column col = tx % BT and the rows
         # r = RS e + tx // BT (e < NE) of the strip left of block I, NE sums at once (independent
         # chains, each operand of column col loaded once for all of them).
@@ -117,7 +194,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             acc_w = T.alloc_fragment((BT, K), acc)
             acc_u = T.alloc_fragment((BT, V), acc)
             T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
-            T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
+            if not late_v:
+                T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
             T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
             T.clear(acc_a)
@@ -126,11 +204,21 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 m_s[a, b] = T.if_then_else(
                     a > b, acc_a[a, b] * b_s[a] * T.exp(g_s[a] - g_s[b]), T.if_then_else(a == b, 1.0, 0.0)
                 )
-            if blocked:
+            if merged:
+                bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
+                xh_s = T.alloc_shared((BT, BT), "bfloat16")
+                xl_s = T.alloc_shared((BT, BT), "bfloat16")
+                lh_s = T.alloc_shared((BT, BT), "bfloat16")
+                ll_s = T.alloc_shared((BT, BT), "bfloat16")
+                col = T.alloc_local((NB,), acc) if warp_diagonal else None
+                invert_diagonal(m_s, s, bpart_s, col)
+                invert_merged(m_s, acc_a, xh_s, xl_s, lh_s, ll_s)
+            elif blocked:
                 bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
                 s_s = T.alloc_shared((NB, BT), acc)
                 acc8 = T.alloc_local((NB * BT // threads,), acc)
-                invert_blocked(m_s, s, bpart_s, s_s, acc8)
+                col = T.alloc_local((NB,), acc) if warp_diagonal else None
+                invert_blocked(m_s, s, bpart_s, s_s, acc8, col)
             else:
                 # forward substitution, T[i, c] = -sum_{j < i} A[i, j] T[j, c] for c < i (T[j, j] = 1):
                 # thread (part p, column c) sums its span of j, the spans are added through part_s
@@ -148,6 +236,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                             s[0] += part_s[q, tx]
                         m_s[i, tx] = -s[0]
                     T.sync_threads()  # row i is read by the next step
+            if late_v:
+                T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
             for a in T.Parallel(BT):
                 c_s[a] = b_s[a] * T.exp(g_s[a])
             split(m_s, c_s, hi_s, lo_s)
@@ -196,12 +286,13 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
-    (per value head: the caller sums a group), `dv`, `dG`, `dbeta` (float32). First
+    (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
+    float32 round trip) and `dv` (input dtype), `dG`, `dbeta` (float32). First
     `dw = -du h^T` (`v_new = u - w h`), rounded to the input dtype, over value blocks of `BVH`
     (an XLA matmul and a float32 round trip before). With `s = beta exp(G)`:
     `dkb = T^T dw`, `dvb = T^T du`, `dT = (dw k^T) Diag(s) + (du v^T) Diag(beta)`,
     `dA = -T^T dT T^T` (strictly lower part), `dkk = dA * exp(G_i - G_j) beta_i`,
-    `dk = dkb s + dkk k + dkk^T k`, `dv = dvb beta`,
+    `dk = dk0 + dkb s + dkk k + dkk^T k`, `dv = dvb beta`,
     `dbeta = exp(G) rowsum(dkb k) + rowsum(dvb v) + rowsum(dA * exp(G_i - G_j) * K K^T)`,
     `dG = s rowsum(dkb k) + rowsum(P) - colsum(P)` with `P = dkk * K K^T`.
     Float32 matrices enter the tensor cores as hi + lo input-dtype halves (`hi lo'` products of
@@ -221,8 +312,9 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
         t: T.Tensor((NT, HV, BT, BT), acc),
         h: T.Tensor((NT, HV, K, V), dtype),
         du: T.Tensor((L, HV, V), dtype),
-        dk: T.Tensor((L, HV, K), acc),
-        dv: T.Tensor((L, HV, V), acc),
+        dk0: T.Tensor((L, HV, K), dtype),
+        dk: T.Tensor((L, HV, K), dtype),
+        dv: T.Tensor((L, HV, V), dtype),
         dg: T.Tensor((L, HV), acc),
         dbeta: T.Tensor((L, HV), acc),
     ):
@@ -328,6 +420,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.clear(acc_k)
             T.gemm(th_s, dw_s, acc_k, transpose_A=True)
             T.gemm(tl_s, dw_s, acc_k, transpose_A=True)
+            T.copy(dk0[t0 : t0 + BT, ihv, 0:K], dw_s)  # dw_s is free: it takes dk0
             for a, b in T.Parallel(BT, K):
                 acc_k2[a, b] = acc_k[a, b] * T.cast(k_s[a, b], acc)
             T.reduce_sum(acc_k2, krow, dim=1)
@@ -340,6 +433,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.gemm(xl_s, k_s, acc_k)
             T.gemm(xh_s, k_s, acc_k, transpose_A=True)
             T.gemm(xl_s, k_s, acc_k, transpose_A=True)
+            for a, b in T.Parallel(BT, K):
+                acc_k[a, b] += T.cast(dw_s[a, b], acc)
             T.copy(acc_k, dk[t0 : t0 + BT, ihv, 0:K])
 
     return main
