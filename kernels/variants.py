@@ -148,14 +148,14 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
     ),
     # the WY inverse row by row (the default before the blocked one), with the block rows by
-    # tensor-core merges (slower, see kernels/delta/wy.py), with the diagonal blocks a row per step
-    # (the default before); T stored by TMA; the state pass in one
+    # tensor-core merges (slower, see kernels/delta/wy.py), with the diagonal blocks inverted a warp
+    # each in registers; T stored by TMA; the state pass in one
     # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
         Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),
         Program(name="x_wy_merged", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("merged", True),)),
-        Program(name="x_wy_diag_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"),
-                config=(("warp_diagonal", False),)),
+        Program(name="x_wy_warp_diagonal", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"),
+                config=(("warp_diagonal", True),)),
         Program(name="x_wy_t_tma", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("tma_t", True))),
         Program(name="x_fused_1wg", of="fused", module="delta.fwd", builder="chunk_delta_fwd_1wg", outputs=("o", "vnew", "ht")),

@@ -37,7 +37,7 @@ def _hi_lo(BT: int, dtype: str, *, scaled: bool):
 
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
                    blocked: bool | None = None, merged: bool | None = None, tma_t: bool = False,
-                   late_v: bool | None = None, warp_diagonal: bool = True):
+                   late_v: bool | None = None, warp_diagonal: bool = False):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -50,7 +50,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     ms (0.573 with v loaded first, two programs per SM), 2026-12-03: the splits and the fences
     between twelve small GEMMs cost more than the CUDA-core block rows. `warp_diagonal` (blocked
     and merged): each warp inverts its diagonal block with the columns in registers (two barriers
-    in all) instead of one row per step through shared memory (thirty)."""
+    in all) instead of one row per step through shared memory (thirty); the experiment
+    `x_wy_warp_diagonal`, not yet run on a GPU (none could be started when it was written)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
