@@ -10,7 +10,7 @@ forward state pass reading them, and the backward as simple GLA's (reverse state
 fused consumer that also takes the reverse cumulative sum of dg), with gates per key channel. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
 reverse state-gradient pass as kernels, and the backward's chunk-parallel parts by two more kernels
 (switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`; switched off, JAX VJPs do them), and
-`use_qk_l2norm_in_kernel` by a normalisation kernel each way.
+under a gradient `use_qk_l2norm_in_kernel` by a normalisation kernel each way.
 Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fla_jax import _layout, _partition
-from fla_jax._problem import Problem
+from fla_jax._problem import Problem, l2_normalise
 
 try:
     from fla_jax import _ext
@@ -115,7 +115,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     """Raw inputs (q, k, v in their dtype, not scaled, not normalised), as `_compute` hands them
     to this backend.
 
-    q and k are l2-normalised here when asked (delta rules; by kernels, `_l2norm`). Tokens are laid
+    q and k are l2-normalised here when asked (delta rules; `_l2norm`). Tokens are laid
     out in chunk rows as for the xla backend (`fla_jax._layout`: every sequence starts at a chunk
     boundary, zeros in padding slots); the in-chunk gate cumulative sum is taken here, so its
     gradient (a reverse cumulative sum) is JAX's, but for GLA, whose kernels take both."""
@@ -128,41 +128,25 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     beta = beta.astype(jnp.float32) if p.delta else None
     q, k, v, g32, beta = (_layout.pack(x, layout) for x in (q, k, v, g32, beta))
     # GLA's kernels take the per-step gates and the sums' gradient themselves (`chunk_gla_a` writes G)
-    G = g32 if p.op == "gla" else _chunk_cumsum(g32, C)
+    G = g32 if p.op == "gla" else jnp.cumsum(g32.reshape(g32.shape[0], -1, C, *g32.shape[2:]), axis=2).reshape(g32.shape)
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
     tokens = (q, k, v, G) + ((beta,) if p.delta else ())
     o, ht = _op(p, float(scale), *tokens, h0.astype(jnp.float32), *tables)
     return _layout.unpack(o, layout, T), ht
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _chunk_cumsum(g, C: int):
-    """The in-chunk cumulative sum of `g [B, NT * C, ...]` along axis 1. Its gradient, a reverse
-    cumulative sum, is taken as a flipped forward one: JAX's own transpose lowers to a
-    `reduce_window` that took 53 us of a GDN step at 4,4096,16,128 on an H200, against ~2."""
-    return jnp.cumsum(g.reshape(g.shape[0], -1, C, *g.shape[2:]), axis=2).reshape(g.shape)
-
-
-def _chunk_cumsum_fwd(g, C):
-    return _chunk_cumsum(g, C), None
-
-
-def _chunk_cumsum_bwd(C, _, d):
-    chunks = jnp.flip(d.reshape(d.shape[0], -1, C, *d.shape[2:]), axis=2)
-    return (jnp.flip(jnp.cumsum(chunks, axis=2), axis=2).reshape(d.shape),)
-
-
-_chunk_cumsum.defvjp(_chunk_cumsum_fwd, _chunk_cumsum_bwd)
-
-
 # ----------------------------------------------------------------------------- use_qk_l2norm_in_kernel
-# q and k normalised by a kernel each way (`kernels/delta/norm.py`), partitioned like the op.
+# Under a gradient q and k are normalised by a kernel each way (`kernels/delta/norm.py`),
+# partitioned like the op.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _l2norm(p: Problem, q, k):
-    """`(q / |q|, k / |k|)` over the last axis (`fla_jax._problem.l2_normalise`), input dtype."""
-    return _norm_partitioned(p, "fwd")(q, k)[:2]
+    """`(q / |q|, k / |k|)` over the last axis (`fla_jax._problem.l2_normalise`), input dtype.
+    Not differentiated (inference) XLA's: its fused pass was the faster there (GDN forward 0.610
+    against 0.652 ms with the kernel, 4,4096,16,128, H200, 2026-12-03); under a gradient the
+    kernels, which also keep 1 / |x| for the backward (XLA took two passes per tensor there)."""
+    return tuple(l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
 
 
 def _l2norm_fwd(p, q, k):
