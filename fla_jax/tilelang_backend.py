@@ -317,7 +317,7 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     group_sum = lambda x: x if HV == H else x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)
     dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
-    heads = lambda x, dt=None: _like(x, dt, HV)
+    heads = lambda x: _like(x, None, HV)
     if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel (du = dv_new)
         dq, dkv, du, dG = _consumer(p, bwd["dqkvg"], (heads(qf), heads(kf), _like(vf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, scale=s)
         dq, dk = group_sum(dq), 0.0  # dk per value head (dkv) goes on to the WY VJP

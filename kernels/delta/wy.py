@@ -36,7 +36,7 @@ def _hi_lo(BT: int, dtype: str, *, scaled: bool):
 
 
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
-                   blocked: bool | None = None, merged: bool | None = None, tma_t: bool = False,
+                   blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
                    late_v: bool | None = None, warp_diagonal: bool = False):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
@@ -62,7 +62,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     NB = 16  # blocked: block size; one thread per (diagonal block, half of j, column)
     if blocked is None:
         blocked = BT == 64 and threads == 128
-    merged = bool(merged) and blocked
+    merged = merged and blocked
     if late_v is None:
         late_v = merged
     blocked = blocked and not merged
