@@ -106,3 +106,12 @@ def delta_stage_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, full, free, nc, st
         T.tma_copy(x[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], x_s[slot, :, :], barrier=full[slot])
         T.copy(g[t0 : t0 + BT, ihv], g_s[slot, :], disable_tma=True)
         T.barrier_arrive(full[slot])
+
+
+@T.macro
+def arrive_once(barriers, i):
+    """The one arrival barrier `i` (of count 1) waits for besides the bytes: after `T.tma_copy`s on it,
+    from thread 0, the thread that posts their byte count (the first warp's leader), so that the
+    same code serves any number of threads (TileLang adds a loading warpgroup to pipelined kernels)."""
+    if T.get_thread_binding() == 0:
+        T.barrier_arrive(barriers[i])

@@ -129,6 +129,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("split", False),)),
         Program(name="x_a_inplace", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
                 config=(("inplace", True),)),
+        # q, k and the gates loaded by each thread (the default before)
+        Program(name="x_a_sync", of="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg"),
+                config=(("tma_loads", False),)),
     ),
     ("gla", "bwd", "bf16", 128): (
         Program(name="x_dqkvg_exact", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
@@ -136,6 +139,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dh_bv32", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"),
                 config=(("channel_gates", True), ("BV", 32))),
         Program(name="x_dh_1wg", of="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0")),
+        # q, k, G and A loaded by each thread (the default before)
+        Program(name="x_dqkvg_sync", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
+                outputs=("dq", "dk", "dv", "dg"), config=(("tma_loads", False),)),
     ),
     # the intra-chunk parts' exact path at K = 64 too (the one every chunk took while the cumulative
     # sum raced there: 0.57 / 1.36 ms at 8,2048,16,64 against 0.16 / 0.50 for the dispatched programs now)
@@ -148,14 +154,14 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
     ),
     # the WY inverse row by row (the default before the blocked one), with the block rows by
-    # tensor-core merges (slower, see kernels/delta/wy.py), with the diagonal blocks inverted a warp
-    # each in registers; T stored by TMA; the state pass in one
+    # tensor-core merges (slower, see kernels/delta/wy.py), with k and v loaded and w and u stored by
+    # each thread (the default before); T stored by TMA; the state pass in one
     # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
         Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),
         Program(name="x_wy_merged", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("merged", True),)),
-        Program(name="x_wy_warp_diagonal", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"),
-                config=(("warp_diagonal", True),)),
+        Program(name="x_wy_sync", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"),
+                config=(("tma_loads", False), ("tma_stores", False))),
         Program(name="x_wy_t_tma", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("tma_t", True))),
         Program(name="x_fused_1wg", of="fused", module="delta.fwd", builder="chunk_delta_fwd_1wg", outputs=("o", "vnew", "ht")),
@@ -185,8 +191,13 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # (The consumer with one stage, 108 KB of shared memory against 165 so two programs per SM, measured
     # 0.428 against 0.397 ms; on the delta rules' v_new 0.594 against 0.576: not kept.)
     # the delta rules' state-gradient pass in one warpgroup (the default before)
+    # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
         Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0")),
+        Program(name="x_wy_bwd_sync", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
+                config=(("tma_loads", False), ("tma_stores", False))),
+        Program(name="x_dqkvg_sync_qk", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True), ("tma_qk", False))),
     ),
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),

@@ -179,6 +179,19 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
         t = (jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32),) if name == "wy_t" else ()
         return (like(k), like(v), *t), (k, v, G, beta), {}
+    if op == "delta" and name == "dqkvg":  # the consumer on v_new; k unit rows
+        q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
+        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
+        return (like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
+    if op == "delta" and name == "wy_bwd":  # T from the forward's program, as the backward gets it
+        k = x(L, H, D)
+        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
+        v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
+        p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
+        tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
+        t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], (like(k), like(v), tm), *a))(k, v, G, beta)[2]
+        h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
+        return (like(k), like(v), like(G), like(G)), (k, v, G, beta, t, h, du, dk0), {}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")
 
 

@@ -8,13 +8,19 @@ of K channels in registers:
 * `l2norm_fwd`: `r = 1 / sqrt(sum(x^2) + 1e-6)` (float32, `[R, H]`) and `y = x r` (input dtype);
 * `l2norm_bwd`: from x, r and the gradient of y, `dx = r (dy - y sum(dy y))` with `y = x r` in
   float32 (input dtype).
+
+`tma_loads` (the default): the rows by TMA on an mbarrier; each thread loaded its part and
+waited for it before (`l2norm_fwd` 0.077 → 0.054 ms per tensor at 4,4096,16,128 bf16, H200,
+2026-12-03).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from kernels.common import arrive_once
 
-def l2norm_fwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None):
+
+def l2norm_fwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, tma_loads: bool = True):
     del V
     threads = threads or (256 if K > 128 else 128)
     R, H = T.dynamic("R, H")
@@ -31,7 +37,13 @@ def l2norm_fwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None 
             xf = T.alloc_fragment((BT, K), acc)
             sq = T.alloc_fragment((BT, K), acc)
             ss = T.alloc_fragment((BT,), acc)
-            T.copy(x[ib * BT : (ib + 1) * BT, ih, 0:K], x_s)
+            if tma_loads:  # (each thread loaded its part and waited for it before)
+                full = T.alloc_barrier([1])
+                T.tma_copy(x[ib * BT : (ib + 1) * BT, ih, 0:K], x_s, barrier=full[0])
+                arrive_once(full, 0)
+                T.barrier_wait(full[0], 0)
+            else:
+                T.copy(x[ib * BT : (ib + 1) * BT, ih, 0:K], x_s)
             T.copy(x_s, xf)
             for a, b in T.Parallel(BT, K):
                 sq[a, b] = xf[a, b] * xf[a, b]
@@ -48,7 +60,7 @@ def l2norm_fwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None 
     return main
 
 
-def l2norm_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None):
+def l2norm_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, tma_loads: bool = True):
     del V
     threads = threads or (256 if K > 128 else 128)
     R, H = T.dynamic("R, H")
@@ -69,9 +81,17 @@ def l2norm_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None 
             dyf = T.alloc_fragment((BT, K), acc)
             prod = T.alloc_fragment((BT, K), acc)
             s = T.alloc_fragment((BT,), acc)
-            T.copy(x[ib * BT : (ib + 1) * BT, ih, 0:K], x_s)
-            T.copy(dy[ib * BT : (ib + 1) * BT, ih, 0:K], dy_s)
+            if tma_loads:  # both in flight at once, beside r
+                full = T.alloc_barrier([1])
+                T.tma_copy(x[ib * BT : (ib + 1) * BT, ih, 0:K], x_s, barrier=full[0])
+                T.tma_copy(dy[ib * BT : (ib + 1) * BT, ih, 0:K], dy_s, barrier=full[0])
+                arrive_once(full, 0)
+            else:
+                T.copy(x[ib * BT : (ib + 1) * BT, ih, 0:K], x_s)
+                T.copy(dy[ib * BT : (ib + 1) * BT, ih, 0:K], dy_s)
             T.copy(r[ib * BT : (ib + 1) * BT, ih], r_s, disable_tma=True)
+            if tma_loads:
+                T.barrier_wait(full[0], 0)
             T.copy(dy_s, dyf)
             for a, b in T.Parallel(BT, K):
                 yf[a, b] = T.cast(x_s[a, b], acc) * r_s[a]

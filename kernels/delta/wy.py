@@ -18,6 +18,8 @@ give `T = I`, `w = u = 0`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from kernels.common import arrive_once
+
 
 def _hi_lo(BT: int, dtype: str, *, scaled: bool):
     """A macro `split(x, coef, hi_s, lo_s)`: `hi + lo = x` (with `scaled`, `x Diag(coef)`, a column
@@ -37,7 +39,8 @@ def _hi_lo(BT: int, dtype: str, *, scaled: bool):
 
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
                    blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
-                   late_v: bool | None = None, warp_diagonal: bool = False):
+                   late_v: bool | None = None, warp_diagonal: bool = True, tma_loads: bool = True,
+                   tma_stores: bool = True):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -50,10 +53,14 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     ms (0.573 with v loaded first, two programs per SM), 2026-12-03: the splits and the fences
     between twelve small GEMMs cost more than the CUDA-core block rows. `warp_diagonal` (blocked
     and merged): each warp inverts its diagonal block with the columns in registers (two barriers
-    in all) instead of one row per step through shared memory (thirty); the experiment
-    `x_wy_warp_diagonal`: 0.338 against 0.377 ms at 4,4096,16,128 bf16 on an H200 (2026-12-03),
-    w and u within 1e-6 of the dispatched program's. Not dispatched yet: the GPU suite has not run
-    on a build that dispatches it (fp16, K = 64, the stored T)."""
+    in all) instead of one row per step through shared memory (thirty): 0.338 against 0.377 ms at
+    4,4096,16,128 bf16 on an H200, w and u within 1e-6 (2026-12-03; the default since).
+    `tma_loads`: k and v by TMA, both in flight while G and beta load (each thread loaded its
+    part of k and waited for it before, with 64-bit index arithmetic for the grouped head);
+    `tma_stores`: w and u written to the spent k and v tiles and stored by TMA, whole rows (from
+    the accumulators' registers before, half of each 32-byte sector used). Both: 0.182 against
+    0.336 ms at 4,4096,16,128 bf16 on an H200 (2026-12-03; `x_wy_sync` keeps the old loads and
+    stores), the same w, u and T to the bit."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
@@ -196,11 +203,21 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             s = T.alloc_local((1,), acc)
             acc_w = T.alloc_fragment((BT, K), acc)
             acc_u = T.alloc_fragment((BT, V), acc)
-            T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
-            if not late_v:
-                T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
+            if tma_loads:  # k and v in flight at once, beside G and beta
+                kv_full = T.alloc_barrier([1, 1])
+                T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s, barrier=kv_full[0])
+                arrive_once(kv_full, 0)
+                if not late_v:
+                    T.tma_copy(v[t0 : t0 + BT, ihv, 0:V], v_s, barrier=kv_full[1])
+                    arrive_once(kv_full, 1)
+            else:
+                T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
+                if not late_v:
+                    T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
             T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
+            if tma_loads:
+                T.barrier_wait(kv_full[0], 0)
             T.clear(acc_a)
             T.gemm(k_s, k_s, acc_a, transpose_B=True)
             for a, b in T.Parallel(BT, BT):
@@ -247,12 +264,22 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             T.clear(acc_w)
             T.gemm(hi_s, k_s, acc_w)
             T.gemm(lo_s, k_s, acc_w)
-            T.copy(acc_w, w[t0 : t0 + BT, ihv, 0:K])
+            if tma_stores:  # through the spent k tile, whole rows per store
+                T.copy(acc_w, k_s)
+                T.copy(k_s, w[t0 : t0 + BT, ihv, 0:K])
+            else:
+                T.copy(acc_w, w[t0 : t0 + BT, ihv, 0:K])
             split(m_s, b_s, hi_s, lo_s)
+            if tma_loads and not late_v:
+                T.barrier_wait(kv_full[1], 0)
             T.clear(acc_u)
             T.gemm(hi_s, v_s, acc_u)
             T.gemm(lo_s, v_s, acc_u)
-            T.copy(acc_u, u[t0 : t0 + BT, ihv, 0:V])
+            if tma_stores:
+                T.copy(acc_u, v_s)
+                T.copy(v_s, u[t0 : t0 + BT, ihv, 0:V])
+            else:
+                T.copy(acc_u, u[t0 : t0 + BT, ihv, 0:V])
             if store_t:  # last, so that waiting for the store holds up nothing else
                 T.copy(m_s, t[ic, ihv, 0:BT, 0:BT], disable_tma=not tma_t)
 
@@ -286,7 +313,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     return main
 
 
-def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64):
+def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
+                       tma_loads: bool = True, tma_stores: bool = True):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -299,7 +327,11 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     `dbeta = exp(G) rowsum(dkb k) + rowsum(dvb v) + rowsum(dA * exp(G_i - G_j) * K K^T)`,
     `dG = s rowsum(dkb k) + rowsum(P) - colsum(P)` with `P = dkk * K K^T`.
     Float32 matrices enter the tensor cores as hi + lo input-dtype halves (`hi lo'` products of
-    both halves where both operands are float32, lo * lo dropped)."""
+    both halves where both operands are float32, lo * lo dropped).
+    `tma_loads`: every input by TMA, in flight from the start (du and the first block of h first
+    in line, then k, v, T; dk0 once dw's buffer is spent); `tma_stores`: dk, dv through the spent
+    k and v tiles, stored by TMA (`x_wy_bwd_sync`: each thread loads and stores its part, the
+    default before)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
@@ -351,20 +383,41 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             dub_s = T.alloc_shared((BT, BVH), dtype)
             hb_s = T.alloc_shared((K, BVH), dtype)
 
+            if tma_loads:  # every load in flight from the start: the first dw block (1, first in line); k, v, du, T (0); dk0 (2)
+                full = T.alloc_barrier([1] * 3)
+                T.tma_copy(du[t0 : t0 + BT, ihv, 0:V], du_s, barrier=full[1])
+                T.tma_copy(h[ic, ihv, 0:K, 0:BVH], hb_s, barrier=full[1])
+                arrive_once(full, 1)
+                T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s, barrier=full[0])
+                T.tma_copy(v[t0 : t0 + BT, ihv, 0:V], v_s, barrier=full[0])
+                T.tma_copy(t[ic, ihv, 0:BT, 0:BT], t_s, barrier=full[0])
+                arrive_once(full, 0)
             # dw = -du h^T
             T.clear(acc_k)
             for vb in T.serial(V // BVH):
-                T.copy(du[t0 : t0 + BT, ihv, vb * BVH : (vb + 1) * BVH], dub_s)
-                T.copy(h[ic, ihv, 0:K, vb * BVH : (vb + 1) * BVH], hb_s)
-                T.gemm(dub_s, hb_s, acc_k, transpose_B=True)
+                if tma_loads:
+                    if vb > 0:
+                        T.sync_threads()  # the previous block's product has read dub_s and hb_s
+                        T.tma_copy(h[ic, ihv, 0:K, vb * BVH : (vb + 1) * BVH], hb_s, barrier=full[1])
+                        arrive_once(full, 1)
+                    T.barrier_wait(full[1], vb % 2)
+                    T.gemm(du_s[0:BT, vb * BVH : (vb + 1) * BVH], hb_s, acc_k, transpose_B=True)
+                else:
+                    T.copy(du[t0 : t0 + BT, ihv, vb * BVH : (vb + 1) * BVH], dub_s)
+                    T.copy(h[ic, ihv, 0:K, vb * BVH : (vb + 1) * BVH], hb_s)
+                    T.gemm(dub_s, hb_s, acc_k, transpose_B=True)
             for a, b in T.Parallel(BT, K):
                 dw_s[a, b] = T.cast(-acc_k[a, b], dtype)
-            T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
-            T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
-            T.copy(du[t0 : t0 + BT, ihv, 0:V], du_s)
+            if not tma_loads:
+                T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
+                T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
+                T.copy(du[t0 : t0 + BT, ihv, 0:V], du_s)
             T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
-            T.copy(t[ic, ihv, 0:BT, 0:BT], t_s)
+            if tma_loads:
+                T.barrier_wait(full[0], 0)
+            else:
+                T.copy(t[ic, ihv, 0:BT, 0:BT], t_s)
             split(t_s, None, th_s, tl_s)
             # dT = (dw k^T) Diag(s) + (du v^T) Diag(beta), exact products
             T.clear(acc_c)
@@ -418,12 +471,22 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.gemm(tl_s, du_s, acc_v, transpose_A=True)
             for a, b in T.Parallel(BT, V):
                 acc_v[a, b] = acc_v[a, b] * b_s[a]
-            T.copy(acc_v, dv[t0 : t0 + BT, ihv, 0:V])
+            if tma_stores:  # through the spent v tile, whole rows per store
+                T.sync_threads()
+                T.copy(acc_v, v_s)
+                T.copy(v_s, dv[t0 : t0 + BT, ihv, 0:V])
+            else:
+                T.copy(acc_v, dv[t0 : t0 + BT, ihv, 0:V])
             # dkb = T^T dw; dk = dkb s + dkk k + dkk^T k
             T.clear(acc_k)
             T.gemm(th_s, dw_s, acc_k, transpose_A=True)
             T.gemm(tl_s, dw_s, acc_k, transpose_A=True)
-            T.copy(dk0[t0 : t0 + BT, ihv, 0:K], dw_s)  # dw_s is free: it takes dk0
+            if tma_loads:  # dw_s is free: it takes dk0, in flight while the rest is formed
+                T.sync_threads()
+                T.tma_copy(dk0[t0 : t0 + BT, ihv, 0:K], dw_s, barrier=full[2])
+                arrive_once(full, 2)
+            else:
+                T.copy(dk0[t0 : t0 + BT, ihv, 0:K], dw_s)
             for a, b in T.Parallel(BT, K):
                 acc_k2[a, b] = acc_k[a, b] * T.cast(k_s[a, b], acc)
             T.reduce_sum(acc_k2, krow, dim=1)
@@ -436,8 +499,15 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.gemm(xl_s, k_s, acc_k)
             T.gemm(xh_s, k_s, acc_k, transpose_A=True)
             T.gemm(xl_s, k_s, acc_k, transpose_A=True)
+            if tma_loads:
+                T.barrier_wait(full[2], 0)
             for a, b in T.Parallel(BT, K):
                 acc_k[a, b] += T.cast(dw_s[a, b], acc)
-            T.copy(acc_k, dk[t0 : t0 + BT, ihv, 0:K])
+            if tma_stores:  # through the spent k tile
+                T.sync_threads()
+                T.copy(acc_k, k_s)
+                T.copy(k_s, dk[t0 : t0 + BT, ihv, 0:K])
+            else:
+                T.copy(acc_k, dk[t0 : t0 + BT, ihv, 0:K])
 
     return main

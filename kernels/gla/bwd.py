@@ -29,6 +29,7 @@ in-chunk cumulative log gates per key channel, float32), plus what the forward s
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from kernels.common import arrive_once
 from kernels.gla.fwd import chunk_span, half_limit
 
 NS = 16  # sub-chunk rows
@@ -85,7 +86,7 @@ def chunk_gla_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, 
 
 
 def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | None = None, threads: int = 128,
-                        stages: int = 1, bounded: bool | None = None, BK: int | None = None):
+                        stages: int = 1, bounded: bool | None = None, BK: int | None = None, tma_loads: bool = True):
     """`bounded` (the default): a chunk of bounded gate range (`kernels.gla.fwd.chunk_span` below
     `half_limit(dtype)`) takes the intra-chunk dq and dk as one chunk-wide GEMM each, referenced
     to the middle row m: `dq = exp(G - G_m) (scale exp(G_m) P + dA (k exp(G_m - G)))` and
@@ -205,10 +206,19 @@ def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | N
         hdh = T.alloc_fragment((BK,), acc)
         kdk = T.alloc_fragment((BK,), acc)
 
-        T.copy(q[t0 : t0 + BT, ih, c0 : c0 + BK], q_s)
-        T.copy(k[t0 : t0 + BT, ih, c0 : c0 + BK], k_s)
-        T.copy(g[t0 : t0 + BT, ih, c0 : c0 + BK], g_s)
-        T.copy(a[it, ih, 0:BT, 0:BT], a_s)
+        if tma_loads:  # all four in flight at once
+            full = T.alloc_barrier([1])
+            T.tma_copy(q[t0 : t0 + BT, ih, c0 : c0 + BK], q_s, barrier=full[0])
+            T.tma_copy(k[t0 : t0 + BT, ih, c0 : c0 + BK], k_s, barrier=full[0])
+            T.tma_copy(g[t0 : t0 + BT, ih, c0 : c0 + BK], g_s, barrier=full[0])
+            T.tma_copy(a[it, ih, 0:BT, 0:BT], a_s, barrier=full[0])
+            arrive_once(full, 0)
+            T.barrier_wait(full[0], 0)
+        else:
+            T.copy(q[t0 : t0 + BT, ih, c0 : c0 + BK], q_s)
+            T.copy(k[t0 : t0 + BT, ih, c0 : c0 + BK], k_s)
+            T.copy(g[t0 : t0 + BT, ih, c0 : c0 + BK], g_s)
+            T.copy(a[it, ih, 0:BT, 0:BT], a_s)
         for i, c in T.Parallel(BT, BK):
             x_s[i, c] = T.cast(T.cast(k_s[i, c], acc) * T.exp(g_s[BT - 1, c] - g_s[i, c]), dtype)
         T.clear(hdh)

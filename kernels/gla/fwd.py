@@ -25,7 +25,7 @@ as `g` (every `G` is <= 0 and decreasing within a chunk).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import publish_state
+from kernels.common import arrive_once, publish_state
 
 NS = 16  # sub-chunk rows
 
@@ -77,7 +77,7 @@ def chunk_span(g_s, span_s):
 
 
 def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128, sub: int = NS, bounded: bool = True,
-                lean: bool = True, split: bool = True, inplace: bool = False):
+                lean: bool = True, split: bool = True, inplace: bool = False, tma_loads: bool = True):
     """Two paths, chosen per chunk at run time:
 
     * chunk-wide (`bounded`, the default), for a chunk whose gate range from its middle row m,
@@ -192,9 +192,17 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
             gt_s = None if lean else T.alloc_shared((K, BT), acc)  # blocks: a row's 16 threads read 16 consecutive words
             acc_a = T.alloc_fragment((BT, BT), acc)
             d_f = T.alloc_fragment((BT, NS), acc)
-            T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
-            T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
-            T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
+            if tma_loads:  # all three in flight at once
+                full = T.alloc_barrier([1])
+                T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s, barrier=full[0])
+                T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s, barrier=full[0])
+                T.tma_copy(g[t0 : t0 + BT, ih, 0:K], g_s, barrier=full[0])
+                arrive_once(full, 0)
+                T.barrier_wait(full[0], 0)
+            else:
+                T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
+                T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
+                T.copy(g[t0 : t0 + BT, ih, 0:K], g_s)
             chunk_cumsum(g_s, threads)
             T.copy(g_s, gc[t0 : t0 + BT, ih, 0:K])
             for i, c in T.Parallel(BT, K):  # the state pass's operands, rounded as its GEMMs take them

@@ -1,0 +1,177 @@
+"""Launch built TileLang programs straight from their cubins, without JAX, so that Nsight Compute
+can read their counters (ncu on a JAX process ended in a segmentation fault), and time them.
+
+The build writes, per target, `<target>.cubin` and `<target>.json` (parameters, TMA descriptors,
+grid, block and shared memory as lowered) to `build/gen`; this script allocates each parameter for
+a problem of B sequences of T tokens, H heads and K = V = D, fills it (gates as in-chunk cumulative
+log decays, chunk tables for whole sequences, everything else random), encodes the descriptors
+and launches through the driver API (ctypes on libcuda: no CuPy, torch or JAX needed).
+
+    python benchmarks/ncu_program.py --gen build/gen --shape 4x4096x16x128 fla_delta_fwd_bf16_k128_v128_c64_wy
+    ncu --clock-control none --set full -k main_kernel -c 1 -o wy python benchmarks/ncu_program.py --reps 1 ...
+
+Values are not checked here (the GPU tests do that): only the programs' time and counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import pathlib
+import statistics
+
+import numpy as np
+
+_DTYPES = {"bfloat16": (np.uint16, 2), "float16": (np.float16, 2), "float32": (np.float32, 4), "int32": (np.int32, 4)}
+
+
+class Driver:
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.check(self.lib.cuInit(0), "cuInit")
+        dev = ctypes.c_int()
+        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+        self.ctx = ctypes.c_void_p()
+        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.check(self.lib.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    @staticmethod
+    def check(r, what):
+        if r != 0:
+            raise RuntimeError(f"{what} failed with CUresult {r}")
+
+    def upload(self, a: np.ndarray) -> ctypes.c_uint64:
+        ptr = ctypes.c_uint64()
+        self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(max(a.nbytes, 16))), "cuMemAlloc")
+        a = np.ascontiguousarray(a)
+        self.check(self.lib.cuMemcpyHtoD_v2(ptr, a.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(a.nbytes)), "cuMemcpyHtoD")
+        return ptr
+
+    def function(self, cubin: bytes, smem: int):
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self._cubin = ctypes.create_string_buffer(cubin, len(cubin))
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), self._cubin), "cuModuleLoadData")
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, b"main_kernel"), "cuModuleGetFunction")
+        self.check(self.lib.cuFuncSetAttribute(fn, 8, ctypes.c_int(smem)), "cuFuncSetAttribute")  # max dynamic smem
+        return fn
+
+    def tensor_map(self, dtype, rank, ptr, dims, strides, box, elem, tail):
+        m = (ctypes.c_uint64 * 16)()
+        u64, u32 = ctypes.c_uint64 * rank, ctypes.c_uint32 * rank
+        self.check(self.lib.cuTensorMapEncodeTiled(
+            m, ctypes.c_int(dtype), ctypes.c_uint32(rank), ctypes.c_void_p(ptr.value), u64(*dims),
+            (ctypes.c_uint64 * max(rank - 1, 1))(*strides[1:]), u32(*box), u32(*elem), *(ctypes.c_int(t) for t in tail)),
+            "cuTensorMapEncodeTiled")
+        return m
+
+    def launch(self, fn, grid, block, smem, params):
+        arr = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in params))
+        self.check(self.lib.cuLaunchKernel(fn, *(ctypes.c_uint(x) for x in grid), *(ctypes.c_uint(x) for x in block),
+                                           ctypes.c_uint(smem), None, arr, None), "cuLaunchKernel")
+
+    def time(self, fn, grid, block, smem, params, reps):
+        ev = [ctypes.c_void_p() for _ in range(2)]
+        for e in ev:
+            self.check(self.lib.cuEventCreate(ctypes.byref(e), 0), "cuEventCreate")
+        out = []
+        for _ in range(reps):
+            self.check(self.lib.cuEventRecord(ev[0], None), "cuEventRecord")
+            self.launch(fn, grid, block, smem, params)
+            self.check(self.lib.cuEventRecord(ev[1], None), "cuEventRecord")
+            self.check(self.lib.cuEventSynchronize(ev[1]), "cuEventSynchronize")
+            ms = ctypes.c_float()
+            self.check(self.lib.cuEventElapsedTime(ctypes.byref(ms), ev[0], ev[1]), "cuEventElapsedTime")
+            out.append(ms.value)
+        return out
+
+
+def _expr(s, dims):
+    """A dimension expression of the generated launcher (`fla::floordiv((d_L + int64_t(63)), ...)`) as an int."""
+    if isinstance(s, int):
+        return s
+    return int(eval(s.replace("fla::floordiv", "floordiv").replace("int64_t", "int"),
+                    {"floordiv": lambda a, b: a // b, "int": int}, dims))
+
+
+def _fill(name, dtype, shape, rng, T):
+    n = int(np.prod(shape)) if shape else 1
+    if name == "cstart":
+        return np.arange(shape[0], dtype=np.int32) * (T // 64)
+    if name == "ccount":
+        return np.full(shape, T // 64, np.int32)
+    if dtype == "int32":
+        return np.zeros(shape, np.int32)
+    if name in ("g", "gc") and dtype == "float32" and len(shape) >= 2:  # in-chunk cumulative log decays
+        step = -np.abs(rng.standard_normal((shape[0] // 64, 64) + tuple(shape[1:]))) * 0.1
+        return np.cumsum(step, 1).reshape(shape).astype(np.float32)
+    if name == "beta":
+        return rng.uniform(size=shape).astype(np.float32)
+    x = rng.standard_normal(n).astype(np.float32).reshape(shape)
+    if name in ("k", "q") and len(shape) >= 2:
+        x /= np.linalg.norm(x, axis=-1, keepdims=True)
+    else:
+        x *= 0.1
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        return x.astype(np.float16)
+    return (x.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16, truncated
+
+
+def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: int = 0):
+    meta = json.loads((gen / f"{target}.json").read_text())
+    rng = np.random.default_rng(seed)
+    dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_R": B * T}
+    sym = {k[2:]: v for k, v in dims.items()}
+    ptrs, scalars = {}, {}
+    for p in meta["params"]:
+        if p["kind"] == "scalar":
+            scalars[p["name"]] = (ctypes.c_float if p["dtype"] == "float32" else ctypes.c_int32)(
+                0.088 if p["name"] == "scale" else 1)
+            continue
+        shape = tuple(sym[s] if isinstance(s, str) else s for s in p["shape"])
+        ptrs[p["name"]] = drv.upload(_fill(p["name"], p["dtype"], shape, rng, T))
+    maps = {}
+    for name, d in meta["descs"].items():
+        ev = lambda xs: [_expr(x, dims) for x in xs]
+        maps[name] = drv.tensor_map(d["dtype"], d["rank"], ptrs[d["ptr"]], ev(d["dims"]), ev(d["strides"]),
+                                    ev(d["box"]), ev(d["elem"]), d["tail"])
+    cubin = (gen / f"{target}.cubin").read_bytes()
+    runs = []
+    for launch in meta["launches"]:
+        fn = drv.function(cubin, launch["smem"]) if launch["kernel"] == "main_kernel" else None
+        assert fn is not None, "one main_kernel per program expected"
+        params = []
+        for a in launch["args"]:
+            n = a["name"]
+            if n in maps:
+                params.append(maps[n])
+            elif n in ptrs:
+                params.append(ptrs[n])
+            elif n in scalars:
+                params.append(scalars[n])
+            else:
+                params.append(ctypes.c_int32(sym[n]))
+        runs.append((fn, [_expr(x, dims) for x in launch["grid"]], [_expr(x, dims) for x in launch["block"]],
+                     launch["smem"], params))
+    return runs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("targets", nargs="+")
+    ap.add_argument("--gen", default="build/gen")
+    ap.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    B, T, H, _ = (int(x) for x in args.shape.split("x"))
+    drv = Driver()
+    for target in args.targets:
+        for run in prepare(drv, pathlib.Path(args.gen), target, B, T, H):
+            ms = drv.time(*run, reps=args.reps)
+            print(f"{target}: median {statistics.median(ms):.4f} ms over {len(ms)} (first {ms[0]:.4f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
