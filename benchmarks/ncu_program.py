@@ -11,11 +11,20 @@ and launches through the driver API (ctypes on libcuda: no CuPy, torch or JAX ne
     ncu --clock-control none --set full -k main_kernel -c 1 -o wy python benchmarks/ncu_program.py --reps 1 ...
 
 Values are not checked here (the GPU tests do that): only the programs' time and counters.
+`--stalls` summarises a report's SASS page instead (where the warps waited, and the
+instructions with the most stall samples), on any machine:
+
+    ncu -i wy.ncu-rep --page source --csv --print-source sass > wy.csv
+    python benchmarks/ncu_program.py --stalls wy.csv
+
+(A device call returns only a few files from $OUT: tar the reports into one.)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 import ctypes
 import json
 import pathlib
@@ -158,13 +167,39 @@ def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: i
     return runs
 
 
+def stalls(path: str, top: int = 25):
+    """Stall samples of an ncu SASS source page (CSV): totals per reason, then the instructions
+    with the most samples and their three main reasons."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    head = next(i for i, r in enumerate(rows) if "Source" in r)
+    ix = {h: i for i, h in enumerate(rows[head])}
+    reasons = [h for h in rows[head] if h.startswith("stall_") and "Not Issued" not in h]
+    n = lambda r, h: int(r[ix[h]] or 0) if r[ix[h]].strip().isdigit() else 0
+    data = rows[head + 1 :]
+    total = collections.Counter({h: sum(n(r, h) for r in data) for h in reasons})
+    everything = sum(total.values()) or 1
+    print(f"{everything} stall samples")
+    for h, c in total.most_common(10):
+        print(f"  {h[6:]:20s} {c:8d} {100 * c / everything:5.1f}%")
+    ranked = sorted(data, key=lambda r: -n(r, "Warp Stall Sampling (All Samples)"))
+    for r in ranked[:top]:
+        main = sorted(((n(r, h), h[6:]) for h in reasons), reverse=True)[:3]
+        print(f"{n(r, 'Warp Stall Sampling (All Samples)'):7d}  {r[ix['Source']].strip()[:60]:60s} {main}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("targets", nargs="+")
+    ap.add_argument("targets", nargs="*")
+    ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu SASS source page instead")
     ap.add_argument("--gen", default="build/gen")
     ap.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
+    if args.stalls:
+        return stalls(args.stalls)
+    if not args.targets:
+        ap.error("name at least one target (or --stalls CSV)")
     B, T, H, _ = (int(x) for x in args.shape.split("x"))
     drv = Driver()
     for target in args.targets:
