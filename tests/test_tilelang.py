@@ -317,6 +317,42 @@ def test_build_outputs_for_every_program():
             assert all(0 <= ln["smem"] <= 227 * 1024 for ln in meta["launches"]), (v.target(p), meta["launches"])
 
 
+def test_cubin_launcher_reads_every_program():
+    """benchmarks/ncu_program.py (Nsight Compute on the built cubins, without JAX) reads every
+    program's JSON: each launch argument resolved to a buffer, a TMA descriptor (its dims, strides
+    and box evaluated) or a dimension, and the grid and block evaluated, for a problem of 2
+    sequences of 256 tokens and 3 heads."""
+    import ctypes
+    import importlib.util
+    from pathlib import Path
+
+    from kernels.variants import VARIANTS
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("ncu_program", root / "benchmarks" / "ncu_program.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    class Recorder:  # the driver calls, recorded instead of made
+        def upload(self, a):
+            return ctypes.c_uint64(a.size)
+
+        def function(self, cubin, smem):
+            assert cubin[:4] == b"\x7fELF" and 0 <= smem <= 227 * 1024
+            return "fn"
+
+        def tensor_map(self, dtype, rank, ptr, dims, strides, box, elem, tail):
+            assert len(dims) == len(strides) == len(box) == len(elem) == rank and len(tail) == 4
+            assert all(d > 0 for d in dims) and all(0 < b <= 256 for b in box), (dims, box)
+            return ("map", dims)
+
+    for v in VARIANTS:
+        for p in v.programs:
+            for fn, grid, block, smem, params in tool.prepare(Recorder(), root / "build" / "gen", v.target(p), 2, 256, 3):
+                assert fn == "fn" and all(g >= 1 for g in grid) and block[0] in (128, 256, 384, 512), (v.target(p), grid, block)
+                assert all(isinstance(a, (ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, tuple)) for a in params), v.target(p)
+
+
 def test_unsupported_calls_say_why(monkeypatch):
     p = _problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype="bfloat16")
     call = dict(K=128, V=128, varlen=False, grouped=False, l2norm=False)
