@@ -32,8 +32,6 @@ import statistics
 
 import numpy as np
 
-_DTYPES = {"bfloat16": (np.uint16, 2), "float16": (np.float16, 2), "float32": (np.float32, 4), "int32": (np.int32, 4)}
-
 
 class Driver:
     def __init__(self):

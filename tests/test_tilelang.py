@@ -134,6 +134,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     rng = np.random.default_rng(5)
     L, H, NT = 512, 3, 8
     x = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+    unit = lambda a: (a / jnp.linalg.norm(a.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)  # delta rules' k rows
     G = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H))) * 0.1, jnp.float32), 1).reshape(L, H)
     cstart, ccount = jnp.asarray([0, 3], jnp.int32), jnp.asarray([3, 5], jnp.int32)
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
@@ -165,31 +166,27 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         scale = {"scale": np.float32(D**-0.5)}
         if op == "simple_gla":
             return (like(v), *h, like(h0)), (q, k, v, G, h0, cstart, ccount), scale
-        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
+        k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)  # w, u: T (k beta e^G) and T (v beta) in scale
         return (like(v), like(v), *h, like(h0)), (q, k, w, v, G, h0, cstart, ccount), scale
     if (op, name) == ("delta", "dh"):  # the reverse pass, 2 sequences; k unit rows, w as T (k beta e^G) in scale
         q, k, do, dht = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
-        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
+        k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, k, w, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy", "wy_t"):
-        k = x(L, H, D)
-        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
+        k = unit(x(L, H, D))
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
         t = (jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32),) if name == "wy_t" else ()
         return (like(k), like(v), *t), (k, v, G, beta), {}
     if op == "delta" and name == "dqkvg":  # the consumer on v_new; k unit rows
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
-        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
+        k = unit(k)
         return (like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
-    if op == "delta" and name == "wy_bwd":  # T from the forward's program, as the backward gets it
-        k = x(L, H, D)
-        k = (k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(dtype)
-        v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
+    if op == "delta" and name == "wy_bwd":  # T from the forward's program on its inputs, as the backward gets it
+        wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
-        t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], (like(k), like(v), tm), *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
         return (like(k), like(v), like(G), like(G)), (k, v, G, beta, t, h, du, dk0), {}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")

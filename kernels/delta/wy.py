@@ -380,7 +380,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             acc_k = T.alloc_fragment((BT, K), acc)
             acc_k2 = T.alloc_fragment((BT, K), acc)
             krow = T.alloc_fragment((BT,), acc)
-            dub_s = T.alloc_shared((BT, BVH), dtype)
+            dub_s = None if tma_loads else T.alloc_shared((BT, BVH), dtype)  # (TMA: dw reads du_s in place)
             hb_s = T.alloc_shared((K, BVH), dtype)
 
             if tma_loads:  # every load in flight from the start: the first dw block (1, first in line); k, v, du, T (0); dk0 (2)
