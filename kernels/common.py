@@ -58,13 +58,14 @@ def publish_state(b_h, s_s, s_ready, s_free, i, store_h, h, c0, head, iv):
 
 @T.macro
 def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages, t0, head,
-                 iv, scale, values_published):
+                 iv, scale, values_published, pub_i):
     """Warpgroup 1 of a warp-specialized scalar-gate forward state pass (simple GLA, the delta
     rules), at chunk `i` in stage `slot`: `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while
     warpgroup 0 works, then `o = scale (q * exp(G)) S + P values` from the state warpgroup 0
     published in `h_s`, into `o[t0 : t0 + BT, head, V block iv]`. `values_published`: `values`
     (v_new) is published by warpgroup 0 too, so `s_free` is signalled after the last GEMM reads
-    it, not after the state's."""
+    it, not after the state's. `pub_i`: how many states were published into `h_s` before this
+    one (`i` where one warpgroup takes every chunk)."""
     BT, BV = (int(d) for d in o_s.shape)
     T.barrier_wait(full[slot], (i // stages) % 2)
     T.clear(acc_s)
@@ -72,7 +73,7 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
     for r, c in T.Parallel(BT, BT):
         acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
     T.copy(acc_s, p_s)
-    T.barrier_wait(s_ready[0], i % 2)
+    T.barrier_wait(s_ready[0], pub_i % 2)
     T.clear(acc_o)
     T.gemm(q_s[slot, :, :], h_s, acc_o)
     if not values_published:
@@ -83,6 +84,38 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
     if values_published:
         T.barrier_arrive(s_free[0])
     T.barrier_arrive(free[slot])
+    T.copy(acc_o, o_s)
+    T.copy(o_s, o[t0 : t0 + BT, head, iv * BV : (iv + 1) * BV])
+
+
+@T.macro
+def output_chunk_async(q_s, k_s, g_s, h_s, values, p_r, acc_s, acc_o, acc_q, o_s, o, full, free, s_ready, s_free, i, slot, stages, t0,
+                       head, iv, scale, values_published):
+    """`output_chunk` with `P` kept in registers (`p_r`, the A operand of `P values`) and the two
+    output GEMMs in flight together: `P values` into `acc_o` is issued before the wait for the
+    published state (simple GLA; after it where `values` is published too), `Q S` into `acc_q`
+    after it, one wait for both, then `o = acc_o + scale exp(G) acc_q`."""
+    BT, BV = (int(d) for d in o_s.shape)
+    T.barrier_wait(full[slot], (i // stages) % 2)
+    T.clear(acc_s)
+    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+    for r, c in T.Parallel(BT, BT):
+        p_r[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
+    T.clear(acc_o)
+    if not values_published:
+        T.wgmma_gemm(p_r, values, acc_o)
+    T.barrier_wait(s_ready[0], i % 2)
+    if values_published:
+        T.wgmma_gemm(p_r, values, acc_o)
+    T.clear(acc_q)
+    T.wgmma_gemm(q_s[slot, :, :], h_s, acc_q)
+    T.wait_wgmma(0)
+    T.warpgroup_fence_operand(acc_o, num_regs=BT * BV // 128)  # no use of the accumulators moves above the wait
+    T.warpgroup_fence_operand(acc_q, num_regs=BT * BV // 128)
+    T.barrier_arrive(s_free[0])
+    T.barrier_arrive(free[slot])
+    for r, c in T.Parallel(BT, BV):
+        acc_o[r, c] = acc_o[r, c] + acc_q[r, c] * T.exp(g_s[slot, r]) * scale
     T.copy(acc_o, o_s)
     T.copy(o_s, o[t0 : t0 + BT, head, iv * BV : (iv + 1) * BV])
 

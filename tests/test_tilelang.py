@@ -495,6 +495,54 @@ def test_tilelang_gla_matches_fla_triton(norm):
     assert errs["o"] < 0.004 and errs["ht"] < 0.004, errs
 
 
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["delta_rule", "gated_delta_rule"])
+def test_tilelang_delta_matches_fla_triton(op):
+    """Against fla 0.6.0's Triton chunk_delta_rule / chunk_gated_delta_rule (torch) on the same
+    random inputs (q/k normalised in the kernel, an initial state, T not a multiple of 64): o and
+    the final state with fla's ratio 0.005, and every gradient (q, k, v, beta, g, h0) with 0.008
+    (dbeta, dg 0.02) where fla runs its backward; it refuses the gated one on Triton < 3.7.1 (its
+    issue #640), whose gradients test_tilelang_delta_matches_float64 checks against float64."""
+    torch = pytest.importorskip("torch")
+    fla_mod = pytest.importorskip("fla.ops.gated_delta_rule" if op == "gated_delta_rule" else "fla.ops.delta_rule")
+    rng = np.random.default_rng(29)
+    B, T, H, D = 2, 1000, 4, 128
+    x = {n: rng.standard_normal((B, T, H, D)).astype(np.float32) for n in ("q", "k", "v", "do")}
+    beta = (1 / (1 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32)
+    gates = {"g": -np.logaddexp(0, -rng.standard_normal((B, T, H))).astype(np.float32)} if op == "gated_delta_rule" else {}
+    h0 = (0.1 * rng.standard_normal((B, H, D, D))).astype(np.float32)
+    dht = rng.standard_normal((B, H, D, D)).astype(np.float32)
+    bf = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
+    ours_fn = getattr(fla_jax, f"chunk_{op}")
+
+    def ours(q, k, v, beta, h0, *g):
+        return ours_fn(q, k, v, *g, beta, initial_state=h0, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True, backend="tilelang")
+
+    args = (bf["q"], bf["k"], bf["v"], jnp.asarray(beta), jnp.asarray(h0), *map(jnp.asarray, gates.values()))
+    (o, ht), vjp = jax.vjp(ours, *args)
+    grads = dict(zip(("q", "k", "v", "beta", "h0", *gates), vjp((bf["do"], jnp.asarray(dht)))))
+
+    t = lambda a, dt=torch.bfloat16: torch.tensor(np.asarray(jnp.asarray(a, jnp.float32)), device="cuda", dtype=dt).requires_grad_()
+    tin = {"q": t(bf["q"]), "k": t(bf["k"]), "v": t(bf["v"]), "beta": t(beta, torch.float32), "h0": t(h0, torch.float32),
+           **{n: t(a, torch.float32) for n, a in gates.items()}}
+    fo, fht = getattr(fla_mod, f"chunk_{op}")(tin["q"], tin["k"], tin["v"], *[tin[n] for n in gates], tin["beta"],
+                                              initial_state=tin["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    as_np = lambda a: a.detach().float().cpu().numpy()
+    errs = {"o": err_ratio(as_np(fo), o), "ht": err_ratio(as_np(fht), ht)}
+    try:
+        torch.autograd.backward((fo, fht), (t(bf["do"]).detach(), t(dht, torch.float32).detach()))
+    except RuntimeError as e:  # fla's gated backward on Triton < 3.7.1
+        print(op, "fla backward refused:", str(e)[:80])
+    else:
+        errs |= {f"d{n}": err_ratio(as_np(tin[n].grad), grads[n]) for n in grads}
+    print(op, {n: f"{e:.1e}" for n, e in errs.items()})
+    limits = {"o": 0.005, "ht": 0.005, "dbeta": 0.02, "dg": 0.02}
+    assert all(e < limits.get(n, 0.008) for n, e in errs.items()), errs
+    assert op == "gated_delta_rule" or "dq" in errs, "fla ran no backward for the ungated delta rule"
+
+
 @pytest.mark.parametrize("K", [64, 128, 256])
 def test_gla_export_for_cuda_has_the_custom_calls(K, monkeypatch):
     """GLA and its gradient lower for CUDA to the kernels only: forward = A, then the state pass;

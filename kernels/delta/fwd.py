@@ -204,7 +204,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                     slot = i % stages
                     t0 = (c0 + i) * BT
                     output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages,
-                                 t0, ihv, iv, scale, True)
+                                 t0, ihv, iv, scale, True, i)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)

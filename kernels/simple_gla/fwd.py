@@ -20,7 +20,7 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import chunk_output_and_update, output_chunk, publish_state
+from kernels.common import chunk_output_and_update, output_chunk, output_chunk_async, publish_state
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
@@ -113,7 +113,8 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT))
 
 
-def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False):
+def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
+              async_out: bool = False):
     """The one-pass forward, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
@@ -142,6 +143,9 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
             b_h = T.alloc_fragment((K, BV), acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
+            if async_out:  # P in registers, Q S in its own accumulator (output_chunk_async)
+                p_r = T.alloc_fragment((BT, BT), dtype)
+                acc_q = T.alloc_fragment((BT, BV), acc)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
             free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
             s_ready = T.alloc_barrier([128])  # warpgroup 0 published S
@@ -181,8 +185,97 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
                 for i in T.serial(nc):
                     slot = i % stages
                     t0 = (c0 + i) * BT
-                    output_chunk(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot,
-                                 stages, t0, ih, iv, scale, False)
+                    if async_out:
+                        output_chunk_async(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_r, acc_s, acc_o, acc_q, o_s, o, full, free, s_ready, s_free,
+                                           i, slot, stages, t0, ih, iv, scale, False)
+                    else:
+                        output_chunk(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot,
+                                     stages, t0, ih, iv, scale, False, i)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
+
+
+def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h: bool = False):
+    """`chunk_fwd` with two output warpgroups taking alternate chunks (512 threads): warpgroup 3
+    streams the loads into two stages, warpgroup 0 runs the state chain and publishes chunk i's
+    state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage and buffer
+    `i % 2`, so each output warpgroup has two chunks' time for its three GEMMs."""
+    L, H, N, NT = T.dynamic("L, H, N, NT")
+    acc = "float32"
+    stages = 2
+
+    @T.macro
+    def body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h):
+        with T.Kernel(T.ceildiv(V, BV), N * H, threads=512) as (iv, inh):
+            n = inh // H
+            ih = inh % H
+            q_s = T.alloc_shared((stages, BT, K), dtype)
+            k_s = T.alloc_shared((stages, BT, K), dtype)
+            v_s = T.alloc_shared((stages, BT, BV), dtype)
+            g_s = T.alloc_shared((stages, BT), acc)
+            h_s0 = T.alloc_shared((K, BV), dtype)
+            h_s1 = T.alloc_shared((K, BV), dtype)
+            vd_s = T.alloc_shared((BT, BV), dtype)
+            p_s0 = T.alloc_shared((BT, BT), dtype)
+            p_s1 = T.alloc_shared((BT, BT), dtype)
+            o_s0 = T.alloc_shared((BT, BV), dtype)
+            o_s1 = T.alloc_shared((BT, BV), dtype)
+            b_h = T.alloc_fragment((K, BV), acc)
+            acc_o0 = T.alloc_fragment((BT, BV), acc)
+            acc_s0 = T.alloc_fragment((BT, BT), acc)
+            acc_o1 = T.alloc_fragment((BT, BV), acc)
+            acc_s1 = T.alloc_fragment((BT, BT), acc)
+            full = T.alloc_barrier([128] * stages)
+            free = T.alloc_barrier([256] * stages)  # warpgroup 0 and the stage's output warpgroup
+            s_ready0 = T.alloc_barrier([128])
+            s_free0 = T.alloc_barrier([128])
+            s_ready1 = T.alloc_barrier([128])
+            s_free1 = T.alloc_barrier([128])
+            c0 = cstart[n]
+            nc = ccount[n]
+            with T.ws(3):
+                T.set_max_nreg(40, 0)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    if i >= stages:
+                        T.barrier_wait(free[slot], (i // stages + 1) % 2)
+                    t0 = (c0 + i) * BT
+                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
+                    T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
+                    T.copy(g[t0 : t0 + BT, ih], g_s[slot, :], disable_tma=True)
+                    T.barrier_arrive(full[slot])
+            with T.ws(0):
+                T.set_max_nreg(200, 1)
+                T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    if slot == 0:
+                        publish_state(b_h, h_s0, s_ready0, s_free0, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
+                    else:
+                        publish_state(b_h, h_s1, s_ready1, s_free1, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
+                    for r, c in T.Parallel(BT, BV):
+                        vd_s[r, c] = T.cast(T.cast(v_s[slot, r, c], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                    for r, c in T.Parallel(K, BV):
+                        b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                    T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
+                    T.barrier_arrive(free[slot])
+                if store_h:
+                    T.tma_store_wait()
+                T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+            with T.ws(1):
+                T.set_max_nreg(136, 1)
+                for j in T.serial((nc + 1) // 2):
+                    t0 = (c0 + 2 * j) * BT
+                    output_chunk(q_s, k_s, g_s, h_s0, v_s[0, :, :], p_s0, acc_s0, acc_o0, o_s0, o, full, free, s_ready0, s_free0,
+                                 2 * j, 0, stages, t0, ih, iv, scale, False, j)
+            with T.ws(2):
+                T.set_max_nreg(136, 1)
+                for j in T.serial(nc // 2):
+                    t0 = (c0 + 2 * j + 1) * BT
+                    output_chunk(q_s, k_s, g_s, h_s1, v_s[1, :, :], p_s1, acc_s1, acc_o1, o_s1, o, full, free, s_ready1, s_free1,
+                                 2 * j + 1, 1, stages, t0, ih, iv, scale, False, j)
+
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
