@@ -20,7 +20,12 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import chunk_output_and_update, output_chunk, output_chunk_async, publish_state
+from kernels.common import (
+    chunk_output_and_update,
+    output_chunk,
+    output_chunk_async,
+    publish_state,
+)
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
