@@ -179,7 +179,15 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--delta-xla-vjps", action="store_true",
                     help="tilelang delta rules: the backward's parallel parts as XLA VJPs (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL off)")
+    ap.add_argument("--experiments", default="",
+                    help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
+    if args.experiments:
+        from fla_jax import tilelang_backend
+
+        for item in args.experiments.split(","):
+            where, name = item.split("=")
+            tilelang_backend.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
     if args.delta_xla_vjps:
         from fla_jax import tilelang_backend
 

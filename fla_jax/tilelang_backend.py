@@ -197,10 +197,24 @@ def _stored_layouts(p: Problem) -> tuple[str, ...]:
     return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ("bchkv", "bthk", "bthk") if p.op == "gla" else ()
 
 
+# Programs replaced by built experiments, for measuring them inside the ops (benchmarks/bench.py
+# --experiments): {(op, direction, program name): experiment name}; where a variant has no such
+# experiment its own program runs. Empty: the dispatched programs only.
+EXPERIMENT_OVERRIDES: dict[tuple[str, str, str], str] = {}
+
+
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     """{program name: FFI target} of one variant."""
-    variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, V)
-    return {prog.name: variant.target(prog) for prog in variant.programs}
+    op = "delta" if p.delta else p.op
+    variant = _find_variant(op, direction, p.dtype, K, V)
+    targets = {prog.name: variant.target(prog) for prog in variant.programs}
+    if EXPERIMENT_OVERRIDES:
+        from kernels.variants import EXPERIMENTS
+
+        for prog in EXPERIMENTS.get((op, direction, variant.dtype, K), ()):
+            if EXPERIMENT_OVERRIDES.get((op, direction, prog.kind)) == prog.name:
+                targets[prog.kind] = variant.target(prog)
+    return targets
 
 
 def _value_parts(p: Problem, K: int, V: int) -> int:

@@ -46,6 +46,22 @@ def test_export_for_cuda_has_the_custom_calls(K, dtype):
     assert sorted(both) == sorted(fwd_names[1:] + bwd_names)
 
 
+def test_experiment_overrides_replace_the_program(monkeypatch):
+    """`EXPERIMENT_OVERRIDES` (benchmarks/bench.py --experiments) puts a built experiment in a
+    program's place where the variant has it (bf16, K = 128) and leaves the others (fp16)."""
+    monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "fwd", "fused"), "x_fused_2out")
+    B, T, H, K = 2, 100, 2, 128
+    g, h0 = jnp.zeros((B, T, H), jnp.float32), jnp.zeros((B, H, K, K), jnp.float32)
+    for dtype, short, name in (("bfloat16", "bf16", "x_fused_2out"), ("float16", "fp16", "fused")):
+        p = _problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype=dtype)
+        x = jnp.zeros((B, T, H, K), dtype)
+        f = lambda q, k, v, g, h0, p=p: tilelang_backend.run(p, q, k, v, g, None, h0, None, scale=0.5)
+        want = f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_{name}"
+        fwd, _ = _cuda_custom_calls(f, (x, x, x, g, h0), [want, f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_fused_h",
+                                                          *(f"fla_simple_gla_bwd_{short}_k{K}_v{K}_c64_{n}" for n in ("dh", "dqkvg"))])
+        assert fwd == [want]
+
+
 def _cuda_custom_calls(f, args, allowed):
     """The custom calls (in order) of `f` and of `value_and_grad` of a loss of its outputs
     (`f -> (o, ht)`), exported for CUDA; `allowed` names the kernels export may reference."""
