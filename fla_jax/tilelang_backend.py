@@ -299,8 +299,9 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
 
 def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     """Gradients of the token arrays and of h0, from (token arrays, h, *wy, tables, do, dht);
-    wy as `_forward` stores it (delta rules and GLA). `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL."""
-    fused, wy_kernel = switches
+    wy as `_forward` stores it (delta rules and GLA). `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL and the
+    experiment overrides (read by `_targets` while this traces)."""
+    fused, wy_kernel, _ = switches
     n = len(_token_layouts(p))
     m = n + 1 + len(_stored_layouts(p))
     tokens, h, wy, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-2], arrays[-2:]
@@ -358,7 +359,8 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool):
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
     states whole. The module's switches are read here, so that changing them takes effect."""
-    return _partitioned_with(p, scale, direction, varlen, (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL), VJP_PRECISION)
+    switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, tuple(sorted(EXPERIMENT_OVERRIDES.items())))
+    return _partitioned_with(p, scale, direction, varlen, switches, VJP_PRECISION)
 
 
 @functools.cache

@@ -89,38 +89,6 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
 
 
 @T.macro
-def output_chunk_async(q_s, k_s, g_s, h_s, values, p_r, acc_s, acc_o, acc_q, o_s, o, full, free, s_ready, s_free, i, slot, stages, t0,
-                       head, iv, scale, values_published):
-    """`output_chunk` with `P` kept in registers (`p_r`, the A operand of `P values`) and the two
-    output GEMMs in flight together: `P values` into `acc_o` is issued before the wait for the
-    published state (simple GLA; after it where `values` is published too), `Q S` into `acc_q`
-    after it, one wait for both, then `o = acc_o + scale exp(G) acc_q`."""
-    BT, BV = (int(d) for d in o_s.shape)
-    T.barrier_wait(full[slot], (i // stages) % 2)
-    T.clear(acc_s)
-    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
-    for r, c in T.Parallel(BT, BT):
-        p_r[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
-    T.clear(acc_o)
-    if not values_published:
-        T.wgmma_gemm(p_r, values, acc_o)
-    T.barrier_wait(s_ready[0], i % 2)
-    if values_published:
-        T.wgmma_gemm(p_r, values, acc_o)
-    T.clear(acc_q)
-    T.wgmma_gemm(q_s[slot, :, :], h_s, acc_q)
-    T.wait_wgmma(0)
-    T.warpgroup_fence_operand(acc_o, num_regs=BT * BV // 128)  # no use of the accumulators moves above the wait
-    T.warpgroup_fence_operand(acc_q, num_regs=BT * BV // 128)
-    T.barrier_arrive(s_free[0])
-    T.barrier_arrive(free[slot])
-    for r, c in T.Parallel(BT, BV):
-        acc_o[r, c] = acc_o[r, c] + acc_q[r, c] * T.exp(g_s[slot, r]) * scale
-    T.copy(acc_o, o_s)
-    T.copy(o_s, o[t0 : t0 + BT, head, iv * BV : (iv + 1) * BV])
-
-
-@T.macro
 def delta_stage_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, full, free, nc, stages, c_first, step, ih, ihv, iv):
     """The loading warpgroup of the delta rules' warp-specialized passes: chunk `c_first + step i`
     (`step` 1 forward, -1 in reverse) of q, k (head `ih`), w and the V block `iv` of `x` (u, or

@@ -12,7 +12,8 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
   with `store_h` (the forward of a gradient computation) also the state before every chunk,
   `h [NT, H, K, V]` in the input dtype, which the backward reads instead of recomputing it.
   Warp-specialized: a producer warpgroup loads, one warpgroup runs the state chain, one the
-  output (see its docstring). (The one-pass design replaced a two-kernel forward, states to HBM
+  output (see its docstring); `chunk_fwd_2out` gives the output two warpgroups taking alternate
+  chunks (dispatched at K = 64 and 128 for the forward, K = 128 storing h). (The one-pass design replaced a two-kernel forward, states to HBM
   then the output: 0.169 + 0.152 ms against 0.231 ms at 4,4096,16,128 bf16 on an H200; the
   one-warpgroup version of it is kept as `chunk_fwd_1wg`.)
 """
@@ -20,12 +21,7 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import (
-    chunk_output_and_update,
-    output_chunk,
-    output_chunk_async,
-    publish_state,
-)
+from kernels.common import chunk_output_and_update, output_chunk, publish_state
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
@@ -118,8 +114,40 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT))
 
 
-def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
-              async_out: bool = False):
+@T.macro
+def _stage_loads(q, k, v, g, q_s, k_s, v_s, g_s, full, free, nc, c0, ih, iv):
+    """The loading warpgroup of the warp-specialized passes: chunk `c0 + i`'s q, k, the V block
+    `iv` of v (TMA) and G into stage `i % stages` once both its users freed it."""
+    stages, BT, K = (int(d) for d in q_s.shape)
+    BV = int(v_s.shape[2])
+    T.set_max_nreg(40, 0)
+    for i in T.serial(nc):
+        slot = i % stages
+        if i >= stages:
+            T.barrier_wait(free[slot], (i // stages + 1) % 2)
+        t0 = (c0 + i) * BT
+        T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
+        T.copy(g[t0 : t0 + BT, ih], g_s[slot, :], disable_tma=True)
+        T.barrier_arrive(full[slot])
+
+
+@T.macro
+def _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot):
+    """The state warpgroup, its state published: `S <- exp(G_C) S + k^T (v exp(G_C - G))` from
+    stage `slot`, which it then frees."""
+    BT, BV = (int(d) for d in vd_s.shape)
+    K = int(b_h.shape[0])
+    for r, c in T.Parallel(BT, BV):
+        vd_s[r, c] = T.cast(T.cast(v_s[slot, r, c], "float32") * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), vd_s.dtype)
+    for r, c in T.Parallel(K, BV):
+        b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+    T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
+    T.barrier_arrive(free[slot])
+
+
+def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False):
     """The one-pass forward, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
@@ -148,9 +176,6 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
             b_h = T.alloc_fragment((K, BV), acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
-            if async_out:  # P in registers, Q S in its own accumulator (output_chunk_async)
-                p_r = T.alloc_fragment((BT, BT), dtype)
-                acc_q = T.alloc_fragment((BT, BV), acc)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
             free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
             s_ready = T.alloc_barrier([128])  # warpgroup 0 published S
@@ -158,17 +183,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
-                T.set_max_nreg(40, 0)
-                for i in T.serial(nc):
-                    slot = i % stages
-                    if i >= stages:
-                        T.barrier_wait(free[slot], (i // stages + 1) % 2)
-                    t0 = (c0 + i) * BT
-                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
-                    T.copy(g[t0 : t0 + BT, ih], g_s[slot, :], disable_tma=True)
-                    T.barrier_arrive(full[slot])
+                _stage_loads(q, k, v, g, q_s, k_s, v_s, g_s, full, free, nc, c0, ih, iv)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
@@ -176,12 +191,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
                     publish_state(b_h, h_s, s_ready, s_free, i, store_h, h, c0, ih, iv)
-                    for r, c in T.Parallel(BT, BV):
-                        vd_s[r, c] = T.cast(T.cast(v_s[slot, r, c], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
-                    for r, c in T.Parallel(K, BV):
-                        b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
-                    T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
-                    T.barrier_arrive(free[slot])
+                    _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot)
                 if store_h:
                     T.tma_store_wait()
                 T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
@@ -190,12 +200,8 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
                 for i in T.serial(nc):
                     slot = i % stages
                     t0 = (c0 + i) * BT
-                    if async_out:
-                        output_chunk_async(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_r, acc_s, acc_o, acc_q, o_s, o, full, free, s_ready, s_free,
-                                           i, slot, stages, t0, ih, iv, scale, False)
-                    else:
-                        output_chunk(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot,
-                                     stages, t0, ih, iv, scale, False, i)
+                    output_chunk(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot,
+                                 stages, t0, ih, iv, scale, False, i)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
@@ -205,7 +211,11 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
     """`chunk_fwd` with two output warpgroups taking alternate chunks (512 threads): warpgroup 3
     streams the loads into two stages, warpgroup 0 runs the state chain and publishes chunk i's
     state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage and buffer
-    `i % 2`, so each output warpgroup has two chunks' time for its three GEMMs."""
+    `i % 2`, so each output warpgroup has two chunks' time for its three GEMMs (the output
+    warpgroup, not the chain, bounds `chunk_fwd`). The same bits as `chunk_fwd`; on an H200
+    (2026-12-03, bf16) 0.126 / 0.202 ms against 0.139 / 0.266 at 4,4096,16,128 / 2,8192,16,128,
+    storing h 0.148 / 0.221 against 0.180 / 0.255; at 8,2048,16,64 0.073 against 0.075, storing
+    h 0.098 against 0.085 (so not dispatched there)."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
     stages = 2
@@ -240,17 +250,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(3):
-                T.set_max_nreg(40, 0)
-                for i in T.serial(nc):
-                    slot = i % stages
-                    if i >= stages:
-                        T.barrier_wait(free[slot], (i // stages + 1) % 2)
-                    t0 = (c0 + i) * BT
-                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
-                    T.copy(g[t0 : t0 + BT, ih], g_s[slot, :], disable_tma=True)
-                    T.barrier_arrive(full[slot])
+                _stage_loads(q, k, v, g, q_s, k_s, v_s, g_s, full, free, nc, c0, ih, iv)
             with T.ws(0):
                 T.set_max_nreg(200, 1)
                 T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
@@ -261,12 +261,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                         publish_state(b_h, h_s0, s_ready0, s_free0, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
                     else:
                         publish_state(b_h, h_s1, s_ready1, s_free1, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
-                    for r, c in T.Parallel(BT, BV):
-                        vd_s[r, c] = T.cast(T.cast(v_s[slot, r, c], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
-                    for r, c in T.Parallel(K, BV):
-                        b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
-                    T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
-                    T.barrier_arrive(free[slot])
+                    _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot)
                 if store_h:
                     T.tma_store_wait()
                 T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
