@@ -182,15 +182,14 @@ def main(argv=None):
     ap.add_argument("--experiments", default="",
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
-    if args.experiments:
-        from fla_jax import tilelang_backend
+    from fla_jax import tilelang_backend
 
-        for item in args.experiments.split(","):
-            where, name = item.split("=")
-            tilelang_backend.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
+    for item in filter(None, args.experiments.split(",")):
+        where, _, name = item.partition("=")
+        if len(where.split(".")) != 3 or not name:
+            ap.error(f"--experiments: {item!r} is not op.direction.program=experiment")
+        tilelang_backend.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
     if args.delta_xla_vjps:
-        from fla_jax import tilelang_backend
-
         tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = False
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
