@@ -13,9 +13,9 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
   `h [NT, H, K, V]` in the input dtype, which the backward reads instead of recomputing it.
   Warp-specialized: a producer warpgroup loads, one warpgroup runs the state chain, one the
   output (see its docstring); `chunk_fwd_2out` gives the output two warpgroups taking alternate
-  chunks (dispatched at K = 64 and 128 for the forward, K = 128 storing h). (The one-pass design replaced a two-kernel forward, states to HBM
-  then the output: 0.169 + 0.152 ms against 0.231 ms at 4,4096,16,128 bf16 on an H200; the
-  one-warpgroup version of it is kept as `chunk_fwd_1wg`.)
+  chunks (dispatched at K = 64 and 128 for the forward, K = 128 storing h). (The one-pass design
+  replaced a two-kernel forward, states to HBM then the output: 0.169 + 0.152 ms against 0.231 ms
+  at 4,4096,16,128 bf16 on an H200; the one-warpgroup version of it is kept as `chunk_fwd_1wg`.)
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
@@ -265,17 +265,13 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                 if store_h:
                     T.tma_store_wait()
                 T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
-            with T.ws(1):
-                T.set_max_nreg(136, 1)
-                for j in T.serial((nc + 1) // 2):
-                    t0 = (c0 + 2 * j) * BT
-                    output_chunk(q_s, k_s, g_s, h_s0, v_s[0, :, :], p_s0, acc_s0, acc_o0, o_s0, o, full, free, s_ready0, s_free0,
-                                 2 * j, 0, stages, t0, ih, iv, scale, False, j)
-            with T.ws(2):
-                T.set_max_nreg(136, 1)
-                for j in T.serial(nc // 2):
-                    t0 = (c0 + 2 * j + 1) * BT
-                    output_chunk(q_s, k_s, g_s, h_s1, v_s[1, :, :], p_s1, acc_s1, acc_o1, o_s1, o, full, free, s_ready1, s_free1,
-                                 2 * j + 1, 1, stages, t0, ih, iv, scale, False, j)
+            outs = ((h_s0, p_s0, acc_s0, acc_o0, o_s0, s_ready0, s_free0), (h_s1, p_s1, acc_s1, acc_o1, o_s1, s_ready1, s_free1))
+            for w, (h_s, p_s, acc_s, acc_o, o_s, s_ready, s_free) in enumerate(outs):  # chunks 2 j + w, stage and buffer w
+                with T.ws(1 + w):
+                    T.set_max_nreg(136, 1)
+                    for j in T.serial((nc + 1 - w) // 2):
+                        t0 = (c0 + 2 * j + w) * BT
+                        output_chunk(q_s, k_s, g_s, h_s, v_s[w, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free,
+                                     2 * j + w, w, stages, t0, ih, iv, scale, False, j)
 
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
