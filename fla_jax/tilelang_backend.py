@@ -50,6 +50,13 @@ DELTA_FUSED_BWD = True
 # `_wy_vjp` in XLA (1.71 ms against 0.54 at the same shape). Tests run both settings.
 DELTA_WY_BWD_KERNEL = True
 
+# The delta rules' forward with no gradient (the `fwd` direction) from the gate-free inverse T0
+# (`chunk_delta_wy(inverse_only=True)`, program `inv`) and `chunk_delta_fwd_t` (`fused_t`), which
+# forms v_new = Ag (v - exp(G) k S) on chip, instead of the WY kernel's w and u (jla's forward). Off
+# until measured on a GPU (written 2026-12-03 with no device time left; lowered and compiled for
+# sm_90a, emulated in the CPU tests, its GPU tests not yet run). Tests run both settings.
+DELTA_FWD_INVERSE = False
+
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
 VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -272,6 +279,12 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     dt = qf.dtype
     NT = qf.shape[0] // C
     wy = ()
+    if p.delta and DELTA_FWD_INVERSE and not store_h:  # T0, and a state pass that forms v_new from it
+        targets = _targets(p, "fwd", K, V)
+        t0 = _call(targets["inv"], jax.ShapeDtypeStruct((NT, HV, C, C), dt), kf, flat[4])
+        o, ht = _call(targets["fused_t"], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, Gf, flat[4], h0, cstart, ccount,
+                      scale=np.float32(scale))
+        return o.reshape(B, Lr, HV, V), ht
     if p.delta:  # WY preparation kernel; the state pass reads w and u instead of v
         tm = (jax.ShapeDtypeStruct((NT, HV, C, C), jnp.float32),) if store_h else ()
         wy = _call(_targets(p, "fwd", K, V)["wy_t" if store_h else "wy"], (_like(kf, dt, HV), _like(vf), *tm),
@@ -299,9 +312,9 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
 
 def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     """Gradients of the token arrays and of h0, from (token arrays, h, *wy, tables, do, dht);
-    wy as `_forward` stores it (delta rules and GLA). `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL and the
-    experiment overrides (read by `_targets` while this traces)."""
-    fused, wy_kernel, _ = switches
+    wy as `_forward` stores it (delta rules and GLA). `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE
+    (read by `_forward`) and the experiment overrides (read by `_targets` while this traces)."""
+    fused, wy_kernel = switches[:2]
     n = len(_token_layouts(p))
     m = n + 1 + len(_stored_layouts(p))
     tokens, h, wy, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-2], arrays[-2:]
@@ -359,7 +372,7 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool):
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
     states whole. The module's switches are read here, so that changing them takes effect."""
-    switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, tuple(sorted(EXPERIMENT_OVERRIDES.items())))
+    switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, tuple(sorted(EXPERIMENT_OVERRIDES.items())))
     return _partitioned_with(p, scale, direction, varlen, switches, VJP_PRECISION)
 
 

@@ -205,11 +205,13 @@ def gla_bwd_dh(qg, do, G, dht, cstart, ccount, *, scale):
 GLA_PROGRAMS = {"_a": gla_a, "_fused": gla_fwd_fused, "_fused_h": gla_fwd_fused_h, "_dh": gla_bwd_dh, "_dqkvg": gla_bwd_dqkvg}
 
 
-def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
-    """kernels/delta/fwd.py `chunk_delta_fwd(store_h=True)`: o, v_new, h, ht."""
-    HV = u.shape[1]
+def _delta_states(q, k, G, h0, cstart, ccount, *, scale, v_new):
+    """The delta rules' state pass (kernels/delta/fwd.py) with `v_new(n, S)` chunk n's new values
+    (float32, rounded as the kernel rounds them) from its state S in the input dtype: o, v_new, h
+    (input dtype) and ht. q and k have one head per q/k head."""
+    HV = G.shape[1]
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
-    qc, kc, wc, uc, Gc = (_chunks(x)[0] for x in (rep(q), rep(k), w, u, G))  # [NT, C, HV, .]
+    qc, kc, Gc = (_chunks(x)[0] for x in (rep(q), rep(k), G))  # [NT, C, HV, .]
     NT = qc.shape[0]
     seq, first, _ = _ownership(NT, cstart, ccount)
     mask = jnp.tril(jnp.ones((C, C), bool))[:, :, None]
@@ -219,7 +221,7 @@ def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
         S = jnp.where(first[n], h0[seq[n]], S)
         Sd = S.astype(dt).astype(f32)
         g = Gc[n]  # [C, HV]
-        vn = (uc[n] - jnp.einsum("chk,hkv->chv", wc[n], Sd)).astype(dt).astype(f32)
+        vn = v_new(n, Sd)
         A = jnp.einsum("ihk,jhk->ijh", qc[n], kc[n]) * jnp.where(mask, jnp.exp(g[:, None] - g[None, :]), 0.0) * scale
         A = A.astype(dt).astype(f32)
         o = scale * jnp.einsum("chk,hkv->chv", qc[n] * jnp.exp(g)[..., None], Sd) + jnp.einsum("ijh,jhv->ihv", A, vn)
@@ -232,6 +234,40 @@ def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
     flat = lambda x: x.reshape(q.shape[0], *x.shape[2:]).astype(dt)
     un = lambda x, tok: _unwritten(x, cstart, ccount, tok)
     return un(flat(o), True), un(flat(vn), True), un(h.astype(dt), False), ht
+
+
+def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
+    """kernels/delta/fwd.py `chunk_delta_fwd(store_h=True)`: o, v_new, h, ht."""
+    wc, uc = _chunks(w)[0], _chunks(u)[0]
+    v_new = lambda n, Sd: (uc[n] - jnp.einsum("chk,hkv->chv", wc[n], Sd)).astype(q.dtype).astype(f32)
+    return _delta_states(q, k, G, h0, cstart, ccount, scale=scale, v_new=v_new)
+
+
+def delta_fwd_fused_t(q, k, v, t, G, beta, h0, cstart, ccount, *, scale):
+    """kernels/delta/fwd.py `chunk_delta_fwd_t`: o, ht from the gate-free inverse T0, with
+    `Ag = T0 * exp(G_i - G_j) * beta_j` and `W = v - exp(G) * (k S)` in the input dtype,
+    `v_new = Ag W`."""
+    HV, dt = v.shape[1], q.dtype
+    kc, vc, Gc, bc = (_chunks(x)[0] for x in (jnp.repeat(k, HV // k.shape[1], axis=1), v, G, beta))
+    lower = jnp.tril(jnp.ones((C, C), bool))[None, :, :, None]
+    E = jnp.where(lower, jnp.exp(jnp.where(lower, Gc[:, :, None] - Gc[:, None, :], 0.0)), 0.0)  # [NT, i, j, HV]
+    Ag = (jnp.moveaxis(t.astype(f32), 1, 3) * E * bc[:, None]).astype(dt).astype(f32)  # [NT, i, j, HV]
+    rnd = lambda x: x.astype(dt).astype(f32)
+
+    def v_new(n, Sd):
+        W = rnd(vc[n] - jnp.exp(Gc[n])[..., None] * jnp.einsum("chk,hkv->chv", kc[n], Sd))
+        return rnd(jnp.einsum("ijh,jhv->ihv", Ag[n], W))
+
+    o, _, _, ht = _delta_states(q, k, G, h0, cstart, ccount, scale=scale, v_new=v_new)
+    return o, ht
+
+
+def delta_inv(k, beta):
+    """kernels/delta/wy.py `chunk_delta_wy(inverse_only=True)`: the gate-free
+    `T0 = (I + tril(Diag(beta) K K^T, -1))^{-1}` `[NT, HV, C, C]` in the input dtype."""
+    HV = beta.shape[1]
+    _, _, T0 = _wy(jnp.repeat(k, HV // k.shape[1], axis=1), jnp.zeros((*beta.shape, 1), f32), jnp.zeros(beta.shape, f32), beta)
+    return T0.astype(k.dtype)
 
 
 def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
@@ -327,7 +363,7 @@ def l2norm_bwd(x, r, dy):
     return (r[..., None] * (dy - y * jnp.sum(dy * y, axis=-1, keepdims=True))).astype(x.dtype)
 
 
-DELTA_PROGRAMS = {"_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
+DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
                   "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg,
                   "_wy_bwd": delta_wy_bwd}
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fla_jax
-from cases import DELTA_BWD_MODES, Case, loss_and_outputs, make_inputs
+from cases import DELTA_BWD_MODES, OPS, Case, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, reference_grads
 from fla_jax import _problem, tilelang_backend
 from kernels import variants
@@ -142,6 +142,26 @@ def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     limit = lambda n: 0.006 if n in ("o", "ht") else 0.02 if n in ("dbeta", "dg") else 0.008
     bad = {n: e for n, e in errs.items() if not e <= limit(n)}
+    assert not bad, bad
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
+def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
+    """DELTA_FWD_INVERSE (the forward with no gradient from the gate-free inverse: `inv`, then
+    `fused_t`) against float64 under NaN-poisoned outputs with fla's ratio (o and ht 0.006), and
+    beside the dispatched forward (WY kernel, state pass on w and u)."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    diff, cot = make_inputs(case, 17)
+    _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    forward = lambda: jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
+    o_wy, ht_wy = forward()
+    monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", True)
+    o, ht = forward()
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
+    print(case, {n: f"{e:.1e}" for n, e in errs.items()}, "wy path:", f"{err_ratio(ref_o, o_wy):.1e} {err_ratio(ref_ht, ht_wy):.1e}")
+    bad = {n: e for n, e in errs.items() if not e <= 0.006}
     assert not bad, bad
 
 
@@ -578,6 +598,27 @@ def test_gla_export_for_cuda_has_the_custom_calls(K, monkeypatch):
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]
     assert kernels(fwd) == names[:2]
     assert sorted(kernels(both)) == sorted([names[0]] + names[2:])
+
+
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
+    """With DELTA_FWD_INVERSE the forward with no gradient lowers for CUDA to the inverse and the
+    state pass that reads it; under a gradient the forward is still the WY kernel's (the backward
+    reads its w, u and T)."""
+    monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", True)
+    monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
+    x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
+    v = jnp.zeros((1, 100, 4, K), jnp.bfloat16)
+    gb = jnp.zeros((1, 100, 4), jnp.float32)
+
+    def f(q, k, v, g, beta):
+        return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, backend="tilelang")
+
+    names = [f"fla_delta_fwd_bf16_k{K}_v{K}_c64_{n}" for n in ("inv", "fused_t", "wy_t", "fused_h")]
+    built = [vr.target(prog) for d in ("fwd", "bwd") for vr in [variants.find("delta", d, "bfloat16", K, K)] for prog in vr.programs]
+    fwd, both = _cuda_custom_calls(f, (x, x, v, gb, gb), built)
+    assert fwd == names[:2]
+    assert [c for c in both if c.startswith("fla_delta_fwd")] == names[2:]
 
 
 @pytest.mark.parametrize("mode", DELTA_BWD_MODES)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cases import DELTA_BWD_MODES, Case, loss_and_outputs, make_inputs
+from cases import DELTA_BWD_MODES, OPS, Case, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, reference_grads
 import kernel_emulator
 from fla_jax import _backends, tilelang_backend, xla
@@ -78,6 +78,31 @@ def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     assert all(e <= tol for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("case", DELTA_CASES, ids=str)
+def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypatch):
+    """DELTA_FWD_INVERSE: the forward with no gradient takes the gate-free inverse (`inv`) and the
+    state pass that forms v_new from it (`fused_t`), emulated, against the float64 recurrence;
+    switched off, the WY kernel and the state pass on w and u."""
+    calls = []
+
+    def record(target, *args, **attrs):
+        calls.append(target.rsplit("_c64_", 1)[1])
+        return kernel_emulator.call(target, *args, **attrs)
+
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    diff, cot = make_inputs(case, 37)
+    _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
+    for on, programs in ((True, ["inv", "fused_t"]), (False, ["wy", "fused"])):
+        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", on)
+        calls.clear()
+        o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
+        assert calls == programs
+        errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
+        print(case, on, {n: f"{e:.1e}" for n, e in errs.items()})
+        assert all(e <= tol for e in errs.values()), (on, errs)
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "gla", "gated_delta_rule"])

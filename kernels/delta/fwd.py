@@ -208,3 +208,146 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
+
+
+@T.macro
+def _stage_loads_t(q, k, v, t, g, beta, q_s, k_s, v_s, t_s, g_s, b_s, full, free, nc, c0, ih, ihv, iv):
+    """The loading warpgroup of `chunk_delta_fwd_t`: chunk `c0 + i`'s q, k (head `ih`), the V
+    block `iv` of v and the chunk's `T0` (value head `ihv`) by TMA, G and beta, into stage
+    `i % stages` once both its users freed it."""
+    stages, BT, K = (int(d) for d in q_s.shape)
+    BV = int(v_s.shape[2])
+    T.set_max_nreg(40, 0)
+    for i in T.serial(nc):
+        slot = i % stages
+        if i >= stages:
+            T.barrier_wait(free[slot], (i // stages + 1) % 2)
+        t0 = (c0 + i) * BT
+        T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(v[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(t[c0 + i, ihv, 0:BT, 0:BT], t_s[slot, :, :], barrier=full[slot])
+        T.copy(g[t0 : t0 + BT, ihv], g_s[slot, :], disable_tma=True)
+        T.copy(beta[t0 : t0 + BT, ihv], b_s[slot, :], disable_tma=True)
+        T.barrier_arrive(full[slot])
+
+
+def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None):
+    """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
+    `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
+    `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
+    gated inverse times Diag(beta)), `v_new = u - w S = Ag (v - exp(G) * (k S))`. Four
+    warpgroups' roles in three:
+
+    * warpgroup 2 streams q, k, the V block of v, T0 (TMA), G and beta into `stages` buffers;
+    * warpgroup 1 turns the stage's T0 into Ag in place (signalled on `ag_ready`), computes
+      `P = scale Q K^T * exp(G_i - G_j)`, then `o = scale (q * exp(G)) S + P v_new` from the
+      published tiles, and stores it;
+    * warpgroup 0 keeps `S` (float32) in registers: per chunk it publishes `S` (input dtype) in
+      buffer `i % 2`, forms `W = v - exp(G) * (k S)` (input dtype), `v_new = Ag W` into the
+      same buffer's `v_new` tile, then `S <- exp(G_C) S + k^T (v_new * exp(G_C - G))`.
+
+    The published S and v_new are double-buffered (jla's choice), so warpgroup 0 waits for
+    warpgroup 1 only two chunks back. Writes `o` and the final states `ht`; not v_new nor h (a
+    gradient takes `chunk_delta_fwd` after `chunk_delta_wy`, whose w, u, T the backward reads)."""
+    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    acc = "float32"
+    stages = stages or (2 if K <= 128 else 1)
+
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        k: T.Tensor((L, H, K), dtype),
+        v: T.Tensor((L, HV, V), dtype),
+        t: T.Tensor((NT, HV, BT, BT), dtype),
+        g: T.Tensor((L, HV), acc),
+        beta: T.Tensor((L, HV), acc),
+        h0: T.Tensor((N, HV, K, V), acc),
+        cstart: T.Tensor((N,), "int32"),
+        ccount: T.Tensor((N,), "int32"),
+        scale: T.float32,
+        o: T.Tensor((L, HV, V), dtype),
+        ht: T.Tensor((N, HV, K, V), acc),
+    ):
+        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=384) as (iv, inh):
+            n = inh // HV
+            ihv = inh % HV
+            ih = ihv // (HV // H)
+            q_s = T.alloc_shared((stages, BT, K), dtype)
+            k_s = T.alloc_shared((stages, BT, K), dtype)
+            v_s = T.alloc_shared((stages, BT, BV), dtype)
+            t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 1)
+            g_s = T.alloc_shared((stages, BT), acc)
+            b_s = T.alloc_shared((stages, BT), acc)
+            h_s0 = T.alloc_shared((K, BV), dtype)
+            h_s1 = T.alloc_shared((K, BV), dtype)
+            vn_s0 = T.alloc_shared((BT, BV), dtype)
+            vn_s1 = T.alloc_shared((BT, BV), dtype)
+            w_s = T.alloc_shared((BT, BV), dtype)
+            vd_s = T.alloc_shared((BT, BV), dtype)
+            p_s = T.alloc_shared((BT, BT), dtype)
+            o_s = T.alloc_shared((BT, BV), dtype)
+            b_h = T.alloc_fragment((K, BV), acc)
+            acc_v = T.alloc_fragment((BT, BV), acc)
+            acc_o = T.alloc_fragment((BT, BV), acc)
+            acc_s = T.alloc_fragment((BT, BT), acc)
+            full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
+            free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
+            ag_ready = T.alloc_barrier([128] * stages)  # warpgroup 1 wrote the stage's Ag
+            s_ready0 = T.alloc_barrier([128])  # warpgroup 0 published S and v_new in buffer 0
+            s_free0 = T.alloc_barrier([128])  # warpgroup 1 has read them
+            s_ready1 = T.alloc_barrier([128])
+            s_free1 = T.alloc_barrier([128])
+            bufs = ((h_s0, vn_s0, s_ready0, s_free0), (h_s1, vn_s1, s_ready1, s_free1))
+            c0 = cstart[n]
+            nc = ccount[n]
+            with T.ws(2):
+                _stage_loads_t(q, k, v, t, g, beta, q_s, k_s, v_s, t_s, g_s, b_s, full, free, nc, c0, ih, ihv, iv)
+            with T.ws(0):
+                T.set_max_nreg(232, 1)
+                T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):  # buffer i % 2, written out once per parity
+                        if i % 2 == j:
+                            if i >= 2:  # warpgroup 1 has read this buffer's tiles of chunk i - 2
+                                T.barrier_wait(s_free[0], (i // 2 + 1) % 2)
+                            T.copy(b_h, h_s)
+                            T.clear(acc_v)
+                            T.gemm(k_s[slot, :, :], h_s, acc_v)
+                            for r, c in T.Parallel(BT, BV):
+                                acc_v[r, c] = T.cast(v_s[slot, r, c], acc) - acc_v[r, c] * T.exp(g_s[slot, r])
+                            T.copy(acc_v, w_s)
+                            T.barrier_wait(ag_ready[slot], (i // stages) % 2)
+                            T.clear(acc_v)
+                            T.gemm(t_s[slot, :, :], w_s, acc_v)
+                            T.copy(acc_v, vn_s)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(s_ready[0])
+                    for r, c in T.Parallel(BT, BV):
+                        vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                    for r, c in T.Parallel(K, BV):
+                        b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                    T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
+                    T.barrier_arrive(free[slot])
+                T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+            with T.ws(1):
+                T.set_max_nreg(232, 1)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    t0 = (c0 + i) * BT
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers (acc_s is free until P)
+                    for r, c in T.Parallel(BT, BT):
+                        acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * b_s[slot, c], 0.0)
+                    T.copy(acc_s, t_s[slot, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ag_ready[slot])
+                    for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
+                        if i % 2 == j:
+                            output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot,
+                                         stages, t0, ihv, iv, scale, True, i // 2)
+
+    # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
+    return main.with_attr("fla.disable_shared_memory_reuse", 1)

@@ -40,7 +40,7 @@ def _hi_lo(BT: int, dtype: str, *, scaled: bool):
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
                    blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
                    late_v: bool | None = None, warp_diagonal: bool = True, tma_loads: bool = True,
-                   tma_stores: bool = True):
+                   tma_stores: bool = True, inverse_only: bool = False):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -60,10 +60,15 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     `tma_stores`: w and u written to the spent k and v tiles and stored by TMA, whole rows (from
     the accumulators' registers before, half of each 32-byte sector used). Both: 0.182 against
     0.336 ms at 4,4096,16,128 bf16 on an H200 (2026-12-03; `x_wy_sync` keeps the old loads and
-    stores), the same w, u and T to the bit."""
+    stores), the same w, u and T to the bit.
+    `inverse_only` (the forward `fused_t` path, see `kernels/delta/fwd.py` `chunk_delta_fwd_t`):
+    the gate-free `T0 = (I + tril(Diag(beta) K K^T, -1))^{-1}` alone, in the input dtype
+    (`T0 [NT, HV, C, C]`, zero above the diagonal; fla's and jla's forwards keep their inverse in
+    the input dtype too); no v, no gates, no w and u. The gated inverse is
+    `T = T0 * exp(G_i - G_j)` (`T = D T0 D^-1` with `D = Diag(exp(G))`), which the state pass forms."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
-    threads = threads or (256 if max(K, V) > 128 else 128)
+    threads = threads or (128 if inverse_only or max(K, V) <= 128 else 256)
     parts = threads // BT
     span = BT // parts
     NB = 16  # blocked: block size; one thread per (diagonal block, half of j, column)
@@ -191,39 +196,45 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             ih = ihv // (HV // H)
             t0 = ic * BT
             k_s = T.alloc_shared((BT, K), dtype)
-            v_s = T.alloc_shared((BT, V), dtype)
             m_s = T.alloc_shared((BT, BT), acc)  # A, turning into T row by row
             hi_s = T.alloc_shared((BT, BT), dtype)
-            lo_s = T.alloc_shared((BT, BT), dtype)
-            g_s = T.alloc_shared((BT,), acc)
             b_s = T.alloc_shared((BT,), acc)
-            c_s = T.alloc_shared((BT,), acc)
             acc_a = T.alloc_fragment((BT, BT), acc)
             part_s = T.alloc_shared((parts, BT), acc)
             s = T.alloc_local((1,), acc)
-            acc_w = T.alloc_fragment((BT, K), acc)
-            acc_u = T.alloc_fragment((BT, V), acc)
+            if not inverse_only:
+                v_s = T.alloc_shared((BT, V), dtype)
+                lo_s = T.alloc_shared((BT, BT), dtype)
+                g_s = T.alloc_shared((BT,), acc)
+                c_s = T.alloc_shared((BT,), acc)
+                acc_w = T.alloc_fragment((BT, K), acc)
+                acc_u = T.alloc_fragment((BT, V), acc)
             if tma_loads:  # k and v in flight at once, beside G and beta
                 kv_full = T.alloc_barrier([1, 1])
                 T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s, barrier=kv_full[0])
                 arrive_once(kv_full, 0)
-                if not late_v:
+                if not late_v and not inverse_only:
                     T.tma_copy(v[t0 : t0 + BT, ihv, 0:V], v_s, barrier=kv_full[1])
                     arrive_once(kv_full, 1)
             else:
                 T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
-                if not late_v:
+                if not late_v and not inverse_only:
                     T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
-            T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
+            if not inverse_only:
+                T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
             if tma_loads:
                 T.barrier_wait(kv_full[0], 0)
             T.clear(acc_a)
             T.gemm(k_s, k_s, acc_a, transpose_B=True)
-            for a, b in T.Parallel(BT, BT):
-                m_s[a, b] = T.if_then_else(
-                    a > b, acc_a[a, b] * b_s[a] * T.exp(g_s[a] - g_s[b]), T.if_then_else(a == b, 1.0, 0.0)
-                )
+            if inverse_only:
+                for a, b in T.Parallel(BT, BT):
+                    m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a], T.if_then_else(a == b, 1.0, 0.0))
+            else:
+                for a, b in T.Parallel(BT, BT):
+                    m_s[a, b] = T.if_then_else(
+                        a > b, acc_a[a, b] * b_s[a] * T.exp(g_s[a] - g_s[b]), T.if_then_else(a == b, 1.0, 0.0)
+                    )
             if merged:
                 bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
                 xh_s = T.alloc_shared((BT, BT), "bfloat16")
@@ -256,32 +267,49 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                             s[0] += part_s[q, tx]
                         m_s[i, tx] = -s[0]
                     T.sync_threads()  # row i is read by the next step
-            if late_v:
-                T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
-            for a in T.Parallel(BT):
-                c_s[a] = b_s[a] * T.exp(g_s[a])
-            split(m_s, c_s, hi_s, lo_s)
-            T.clear(acc_w)
-            T.gemm(hi_s, k_s, acc_w)
-            T.gemm(lo_s, k_s, acc_w)
-            if tma_stores:  # through the spent k tile, whole rows per store
-                T.copy(acc_w, k_s)
-                T.copy(k_s, w[t0 : t0 + BT, ihv, 0:K])
+            if inverse_only:  # T0 in the input dtype, through hi_s
+                for a, b in T.Parallel(BT, BT):
+                    hi_s[a, b] = T.cast(m_s[a, b], dtype)
+                T.copy(hi_s, t[ic, ihv, 0:BT, 0:BT])
             else:
-                T.copy(acc_w, w[t0 : t0 + BT, ihv, 0:K])
-            split(m_s, b_s, hi_s, lo_s)
-            if tma_loads and not late_v:
-                T.barrier_wait(kv_full[1], 0)
-            T.clear(acc_u)
-            T.gemm(hi_s, v_s, acc_u)
-            T.gemm(lo_s, v_s, acc_u)
-            if tma_stores:
-                T.copy(acc_u, v_s)
-                T.copy(v_s, u[t0 : t0 + BT, ihv, 0:V])
-            else:
-                T.copy(acc_u, u[t0 : t0 + BT, ihv, 0:V])
-            if store_t:  # last, so that waiting for the store holds up nothing else
-                T.copy(m_s, t[ic, ihv, 0:BT, 0:BT], disable_tma=not tma_t)
+                if late_v:
+                    T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
+                for a in T.Parallel(BT):
+                    c_s[a] = b_s[a] * T.exp(g_s[a])
+                split(m_s, c_s, hi_s, lo_s)
+                T.clear(acc_w)
+                T.gemm(hi_s, k_s, acc_w)
+                T.gemm(lo_s, k_s, acc_w)
+                if tma_stores:  # through the spent k tile, whole rows per store
+                    T.copy(acc_w, k_s)
+                    T.copy(k_s, w[t0 : t0 + BT, ihv, 0:K])
+                else:
+                    T.copy(acc_w, w[t0 : t0 + BT, ihv, 0:K])
+                split(m_s, b_s, hi_s, lo_s)
+                if tma_loads and not late_v:
+                    T.barrier_wait(kv_full[1], 0)
+                T.clear(acc_u)
+                T.gemm(hi_s, v_s, acc_u)
+                T.gemm(lo_s, v_s, acc_u)
+                if tma_stores:
+                    T.copy(acc_u, v_s)
+                    T.copy(v_s, u[t0 : t0 + BT, ihv, 0:V])
+                else:
+                    T.copy(acc_u, u[t0 : t0 + BT, ihv, 0:V])
+                if store_t:  # last, so that waiting for the store holds up nothing else
+                    T.copy(m_s, t[ic, ihv, 0:BT, 0:BT], disable_tma=not tma_t)
+
+    if inverse_only:
+
+        @T.prim_func
+        def main(
+            k: T.Tensor((L, H, K), dtype),
+            beta: T.Tensor((L, HV), acc),
+            t: T.Tensor((NT, HV, BT, BT), dtype),
+        ):
+            body(k, None, None, beta, None, None, t)
+
+        return main
 
     if store_t:
 
