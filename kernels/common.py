@@ -88,25 +88,41 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
     T.copy(o_s, o[t0 : t0 + BT, head, iv * BV : (iv + 1) * BV])
 
 
+def _stage(buf, slot):
+    """Stage `slot` of a staged shared buffer `[stages, ...]`, whole."""
+    return buf[(slot,) + (slice(None),) * (len(buf.shape) - 1)]
+
+
 @T.macro
-def delta_stage_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, full, free, nc, stages, c_first, step, ih, ihv, iv):
-    """The loading warpgroup of the delta rules' warp-specialized passes: chunk `c_first + step i`
-    (`step` 1 forward, -1 in reverse) of q, k (head `ih`), w and the V block `iv` of `x` (u, or
-    do) by TMA, and G, into stage `i % stages` once both users freed it."""
-    BT, BV = (int(d) for d in x_s.shape[1:])
-    K = int(q_s.shape[2])
+def stage_loads(loads, full, free, nc, stages, c_first, step):
+    """The loading warpgroup of the warp-specialized passes: for its i-th chunk
+    `c = c_first + step i` (`step` 1 forward, -1 in reverse), once both users freed stage
+    `i % stages`, each `(source, buffer, tma)` of `loads` in order: `source(c)` (a region of chunk
+    c) into that stage of `buffer`, by TMA on `full` or, where `tma` is False, by each thread
+    (the scalar gates); then the warpgroup's own arrival on `full`."""
     T.set_max_nreg(40, 0)
     for i in T.serial(nc):
         slot = i % stages
         if i >= stages:
             T.barrier_wait(free[slot], (i // stages + 1) % 2)
-        t0 = (c_first + step * i) * BT
-        T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(w[t0 : t0 + BT, ihv, 0:K], w_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(x[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], x_s[slot, :, :], barrier=full[slot])
-        T.copy(g[t0 : t0 + BT, ihv], g_s[slot, :], disable_tma=True)
+        c = c_first + i if step == 1 else c_first - i
+        for load in loads:  # (no name binds a buffer here: TileLang would rename it after the name)
+            if load[2]:
+                T.tma_copy(load[0](c), _stage(load[1], slot), barrier=full[slot])
+            else:
+                T.copy(load[0](c), _stage(load[1], slot), disable_tma=True)
         T.barrier_arrive(full[slot])
+
+
+def delta_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, ih, ihv, iv):
+    """`stage_loads`' list for the delta rules' passes: q, k (head `ih`), w and the V block `iv`
+    of `x` (u, or do) by TMA, then G."""
+    BT, BV = (int(d) for d in x_s.shape[1:])
+    K = int(q_s.shape[2])
+    rows = lambda c: slice(c * BT, c * BT + BT)
+    return ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
+            (lambda c: w[rows(c), ihv, 0:K], w_s, True), (lambda c: x[rows(c), ihv, iv * BV : (iv + 1) * BV], x_s, True),
+            (lambda c: g[rows(c), ihv], g_s, False))
 
 
 @T.macro

@@ -15,7 +15,7 @@ chunk `h [NT, HV, K, V]` stored by the forward (`store_h`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import delta_stage_loads
+from kernels.common import delta_loads, stage_loads
 
 
 def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
@@ -147,7 +147,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
             c1 = cstart[n] + ccount[n] - 1
             nc = ccount[n]
             with T.ws(2):
-                delta_stage_loads(q, k, w, do, g, q_s, k_s, w_s, do_s, g_s, full, free, nc, stages, c1, -1, ih, ihv, iv)
+                stage_loads(delta_loads(q, k, w, do, g, q_s, k_s, w_s, do_s, g_s, ih, ihv, iv), full, free, nc, stages, c1, -1)
             with T.ws(1):
                 T.set_max_nreg(232, 1)
                 for i in T.serial(nc):

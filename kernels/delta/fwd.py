@@ -18,7 +18,12 @@ The WY preparation (`kernels/delta/wy.py`) runs before this kernel, per chunk an
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import chunk_output_and_update, delta_stage_loads, output_chunk
+from kernels.common import (
+    chunk_output_and_update,
+    delta_loads,
+    output_chunk,
+    stage_loads,
+)
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
@@ -166,7 +171,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
-                delta_stage_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, full, free, nc, stages, c0, 1, ih, ihv, iv)
+                stage_loads(delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv), full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
@@ -208,28 +213,6 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
-
-
-@T.macro
-def _stage_loads_t(q, k, v, t, g, beta, q_s, k_s, v_s, t_s, g_s, b_s, full, free, nc, c0, ih, ihv, iv):
-    """The loading warpgroup of `chunk_delta_fwd_t`: chunk `c0 + i`'s q, k (head `ih`), the V
-    block `iv` of v and the chunk's `T0` (value head `ihv`) by TMA, G and beta, into stage
-    `i % stages` once both its users freed it."""
-    stages, BT, K = (int(d) for d in q_s.shape)
-    BV = int(v_s.shape[2])
-    T.set_max_nreg(40, 0)
-    for i in T.serial(nc):
-        slot = i % stages
-        if i >= stages:
-            T.barrier_wait(free[slot], (i // stages + 1) % 2)
-        t0 = (c0 + i) * BT
-        T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(v[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(t[c0 + i, ihv, 0:BT, 0:BT], t_s[slot, :, :], barrier=full[slot])
-        T.copy(g[t0 : t0 + BT, ihv], g_s[slot, :], disable_tma=True)
-        T.copy(beta[t0 : t0 + BT, ihv], b_s[slot, :], disable_tma=True)
-        T.barrier_arrive(full[slot])
 
 
 def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None):
@@ -302,7 +285,11 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
-                _stage_loads_t(q, k, v, t, g, beta, q_s, k_s, v_s, t_s, g_s, b_s, full, free, nc, c0, ih, ihv, iv)
+                rows = lambda c: slice(c * BT, c * BT + BT)
+                loads = ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
+                         (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True),
+                         (lambda c: g[rows(c), ihv], g_s, False), (lambda c: beta[rows(c), ihv], b_s, False))
+                stage_loads(loads, full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)

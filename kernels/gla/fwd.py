@@ -25,7 +25,7 @@ as `g` (every `G` is <= 0 and decreasing within a chunk).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once, publish_state
+from kernels.common import arrive_once, publish_state, stage_loads
 
 NS = 16  # sub-chunk rows
 
@@ -261,19 +261,12 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
             s_free = T.alloc_barrier([128])  # warpgroup 1 has read it
             c0 = cstart[n]
             nc = ccount[n]
-            with T.ws(2):
-                T.set_max_nreg(40, 0)
-                for i in T.serial(nc):
-                    slot = i % stages
-                    if i >= stages:
-                        T.barrier_wait(free[slot], (i // stages + 1) % 2)
-                    t0 = (c0 + i) * BT
-                    T.tma_copy(kg[t0 : t0 + BT, ih, 0:K], kg_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(qg[t0 : t0 + BT, ih, 0:K], qg_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(a[c0 + i, ih, 0:BT, 0:BT], a_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(g[t0 + BT - 1, ih, 0:K], gl_s[slot, :], barrier=full[slot])
-                    T.barrier_arrive(full[slot])
+            with T.ws(2):  # k exp(G_C - G), v, q exp(G), A and the chunk's last G row
+                rows = lambda c: slice(c * BT, c * BT + BT)
+                loads = ((lambda c: kg[rows(c), ih, 0:K], kg_s, True), (lambda c: v[rows(c), ih, iv * BV : (iv + 1) * BV], v_s, True),
+                         (lambda c: qg[rows(c), ih, 0:K], qg_s, True), (lambda c: a[c, ih, 0:BT, 0:BT], a_s, True),
+                         (lambda c: g[c * BT + BT - 1, ih, 0:K], gl_s, True))
+                stage_loads(loads, full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)

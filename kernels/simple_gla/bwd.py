@@ -22,7 +22,7 @@ chunk `h [NT, H, K, V]` (stored by the forward, `chunk_fwd(store_h=True)`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once
+from kernels.common import arrive_once, stage_loads
 
 
 def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: int | None = None,
@@ -101,20 +101,11 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
             free = T.alloc_barrier([128] * stages)  # warpgroup 0 is done with a stage
             c1 = cstart[n] + ccount[n] - 1
             nc = ccount[n]
-            with T.ws(1):
-                T.set_max_nreg(40, 0)
-                for ir in T.serial(nc):
-                    slot = ir % stages
-                    if ir >= stages:
-                        T.barrier_wait(free[slot], (ir // stages + 1) % 2)
-                    t0 = (c1 - ir) * BT
-                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
-                    T.tma_copy(do[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], do_s[slot, :, :], barrier=full[slot])
-                    if channel_gates:
-                        T.tma_copy(g[t0 + BT - 1, ih, 0:K], g_s[slot, :], barrier=full[slot])
-                    else:
-                        T.copy(g[t0 : t0 + BT, ih], g_s[slot, :], disable_tma=True)
-                    T.barrier_arrive(full[slot])
+            with T.ws(1):  # chunks in reverse: q, the V block of do, and G (its last row per channel)
+                rows = lambda c: slice(c * BT, c * BT + BT)
+                gates = (lambda c: g[c * BT + BT - 1, ih, 0:K], g_s, True) if channel_gates else (lambda c: g[rows(c), ih], g_s, False)
+                loads = ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: do[rows(c), ih, iv * BV : (iv + 1) * BV], do_s, True), gates)
+                stage_loads(loads, full, free, nc, stages, c1, -1)
             with T.ws(0):
                 T.set_max_nreg(240, 1)
                 T.copy(dht[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_dh)

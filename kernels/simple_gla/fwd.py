@@ -21,7 +21,12 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import chunk_output_and_update, output_chunk, publish_state
+from kernels.common import (
+    chunk_output_and_update,
+    output_chunk,
+    publish_state,
+    stage_loads,
+)
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
@@ -114,23 +119,14 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT))
 
 
-@T.macro
-def _stage_loads(q, k, v, g, q_s, k_s, v_s, g_s, full, free, nc, c0, ih, iv):
-    """The loading warpgroup of the warp-specialized passes: chunk `c0 + i`'s q, k, the V block
-    `iv` of v (TMA) and G into stage `i % stages` once both its users freed it."""
-    stages, BT, K = (int(d) for d in q_s.shape)
+def _loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv):
+    """`stage_loads`' list for the warp-specialized passes: q, k, the V block `iv` of v (TMA),
+    then G."""
+    BT, K = (int(d) for d in q_s.shape[1:])
     BV = int(v_s.shape[2])
-    T.set_max_nreg(40, 0)
-    for i in T.serial(nc):
-        slot = i % stages
-        if i >= stages:
-            T.barrier_wait(free[slot], (i // stages + 1) % 2)
-        t0 = (c0 + i) * BT
-        T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s[slot, :, :], barrier=full[slot])
-        T.copy(g[t0 : t0 + BT, ih], g_s[slot, :], disable_tma=True)
-        T.barrier_arrive(full[slot])
+    rows = lambda c: slice(c * BT, c * BT + BT)
+    return ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
+            (lambda c: v[rows(c), ih, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: g[rows(c), ih], g_s, False))
 
 
 @T.macro
@@ -183,7 +179,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
-                _stage_loads(q, k, v, g, q_s, k_s, v_s, g_s, full, free, nc, c0, ih, iv)
+                stage_loads(_loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv), full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
@@ -250,7 +246,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(3):
-                _stage_loads(q, k, v, g, q_s, k_s, v_s, g_s, full, free, nc, c0, ih, iv)
+                stage_loads(_loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv), full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(200, 1)
                 T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
