@@ -196,6 +196,11 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True),)),
+        # two output warpgroups with three stages (193 KB of shared memory; not yet measured)
+        Program(name="x_fused_2out_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(("stages", 3),)),
+        Program(name="x_fused_h_2out_s3", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
+                config=(("store_h", True), ("stages", 3))),
     ),
     # at K = 64 too (0.099 against 0.063 ms for the warp-specialized pass at 8,2048,16,64)
     ("simple_gla", "fwd", "bf16", 64): (
@@ -206,6 +211,11 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
         Program(name="x_fused_h_2out", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
                 config=(("store_h", True),)),
+        # two output warpgroups with three and four stages (not yet measured)
+        Program(name="x_fused_2out_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(("stages", 3),)),
+        Program(name="x_fused_2out_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(("stages", 4),)),
     ),
     # the state-gradient pass in one warpgroup (the default before), and so with K split in two
     # (twice the programs; dispatched for grids of at most 66 programs before the warp-specialized pass).

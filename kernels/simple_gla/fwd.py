@@ -203,18 +203,18 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
 
 
-def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, store_h: bool = False):
+def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False):
     """`chunk_fwd` with two output warpgroups taking alternate chunks (512 threads): warpgroup 3
-    streams the loads into two stages, warpgroup 0 runs the state chain and publishes chunk i's
-    state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage and buffer
-    `i % 2`, so each output warpgroup has two chunks' time for its three GEMMs (the output
+    streams the loads into `stages` stages, warpgroup 0 runs the state chain and publishes chunk i's
+    state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage `i % stages`
+    and buffer `i % 2`, so each output warpgroup has two chunks' time for its three GEMMs (the output
     warpgroup, not the chain, bounds `chunk_fwd`). The same bits as `chunk_fwd`; on an H200
     (2026-12-03, bf16) 0.126 / 0.202 ms against 0.139 / 0.266 at 4,4096,16,128 / 2,8192,16,128,
     storing h 0.148 / 0.221 against 0.180 / 0.255; at 8,2048,16,64 0.073 against 0.075, storing
-    h 0.098 against 0.085 (so not dispatched there)."""
+    h 0.098 against 0.085 (so not dispatched there). `stages`: the loads' pipeline depth (chunk i
+    in stage `i % stages`; three and four built as experiments)."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
-    stages = 2
 
     @T.macro
     def body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h):
@@ -267,7 +267,8 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                     T.set_max_nreg(136, 1)
                     for j in T.serial((nc + 1 - w) // 2):
                         t0 = (c0 + 2 * j + w) * BT
-                        output_chunk(q_s, k_s, g_s, h_s, v_s[w, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free,
-                                     2 * j + w, w, stages, t0, ih, iv, scale, False, j)
+                        slot = (2 * j + w) % stages  # w with two stages
+                        output_chunk(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free,
+                                     2 * j + w, slot, stages, t0, ih, iv, scale, False, j)
 
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
