@@ -227,6 +227,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_wy_bwd_sync", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("tma_loads", False), ("tma_stores", False))),
+        # dvb = T^T du formed once (not yet measured)
+        Program(name="x_wy_bwd_once", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
+                config=(("dvb_once", True),)),
         Program(name="x_dqkvg_sync_qk", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), ("tma_qk", False))),
     ),

@@ -342,7 +342,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
-                       tma_loads: bool = True, tma_stores: bool = True):
+                       tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -359,7 +359,9 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     `tma_loads`: every input by TMA, in flight from the start (du and the first block of h first
     in line, then k, v, T; dk0 once dw's buffer is spent); `tma_stores`: dk, dv through the spent
     k and v tiles, stored by TMA (`x_wy_bwd_sync`: each thread loads and stores its part, the
-    default before)."""
+    default before). `dvb_once`: `dvb = T^T du` formed once (dv written to the spent du tile
+    before the row sums of `dvb v` take the accumulator) instead of twice; the same values
+    (`x_wy_bwd_once`, not yet measured)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
@@ -489,22 +491,33 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.clear(acc_v)
             T.gemm(th_s, du_s, acc_v, transpose_A=True)
             T.gemm(tl_s, du_s, acc_v, transpose_A=True)
-            for a, b in T.Parallel(BT, V):
-                acc_v[a, b] = acc_v[a, b] * T.cast(v_s[a, b], acc)
-            T.reduce_sum(acc_v, vrow, dim=1)
-            for a in T.Parallel(BT):
-                rv_s[a] = vrow[a]
-            T.clear(acc_v)
-            T.gemm(th_s, du_s, acc_v, transpose_A=True)
-            T.gemm(tl_s, du_s, acc_v, transpose_A=True)
-            for a, b in T.Parallel(BT, V):
-                acc_v[a, b] = acc_v[a, b] * b_s[a]
-            if tma_stores:  # through the spent v tile, whole rows per store
-                T.sync_threads()
-                T.copy(acc_v, v_s)
-                T.copy(v_s, dv[t0 : t0 + BT, ihv, 0:V])
+            if dvb_once:  # dv into the spent du tile, then the row sums from the same product
+                T.sync_threads()  # every warp's share of the product has read du_s
+                for a, b in T.Parallel(BT, V):
+                    du_s[a, b] = T.cast(acc_v[a, b] * b_s[a], dtype)
+                for a, b in T.Parallel(BT, V):
+                    acc_v[a, b] = acc_v[a, b] * T.cast(v_s[a, b], acc)
+                T.reduce_sum(acc_v, vrow, dim=1)
+                for a in T.Parallel(BT):
+                    rv_s[a] = vrow[a]
+                T.copy(du_s, dv[t0 : t0 + BT, ihv, 0:V], disable_tma=not tma_stores)
             else:
-                T.copy(acc_v, dv[t0 : t0 + BT, ihv, 0:V])
+                for a, b in T.Parallel(BT, V):
+                    acc_v[a, b] = acc_v[a, b] * T.cast(v_s[a, b], acc)
+                T.reduce_sum(acc_v, vrow, dim=1)
+                for a in T.Parallel(BT):
+                    rv_s[a] = vrow[a]
+                T.clear(acc_v)
+                T.gemm(th_s, du_s, acc_v, transpose_A=True)
+                T.gemm(tl_s, du_s, acc_v, transpose_A=True)
+                for a, b in T.Parallel(BT, V):
+                    acc_v[a, b] = acc_v[a, b] * b_s[a]
+                if tma_stores:  # through the spent v tile, whole rows per store
+                    T.sync_threads()
+                    T.copy(acc_v, v_s)
+                    T.copy(v_s, dv[t0 : t0 + BT, ihv, 0:V])
+                else:
+                    T.copy(acc_v, dv[t0 : t0 + BT, ihv, 0:V])
             # dkb = T^T dw; dk = dkb s + dkk k + dkk^T k
             T.clear(acc_k)
             T.gemm(th_s, dw_s, acc_k, transpose_A=True)
