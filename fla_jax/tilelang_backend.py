@@ -363,7 +363,8 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
             dw = -jnp.einsum("nchv,nhkv->nchk", du.reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32).reshape(-1, HV, K)
             dk = group_sum(f32(dkv))
         dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, f32(du))
-    return (rows(dq, qf.dtype), rows(dk + dk2, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
+    dk = dk2 if fused and wy_kernel else dk + dk2  # (the WY VJP kernel has added the consumer's dk)
+    return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
 
 
