@@ -115,7 +115,11 @@ def lower_one(variant, program, key: str) -> dict:
     # warp-specialized programs: every warpgroup's shared buffers live at once (TileLang's reuse
     # planner would overlap buffers of different warpgroups, whose code it sees in sequence)
     ws = "fla.disable_shared_memory_reuse" in (func.attrs or {})
-    with target, tvm.transform.PassContext(config={"tl.disable_shared_memory_reuse": True}) if ws else contextlib.nullcontext():
+    # and programs marked so are lowered without TileLang's own warp specialization
+    flat = "fla.disable_warp_specialized" in (func.attrs or {})
+    config = {"tl.disable_shared_memory_reuse": True} if ws else {}
+    config.update({"tl.disable_warp_specialized": True} if flat else {})
+    with target, tvm.transform.PassContext(config=config) if config else contextlib.nullcontext():
         art = tilelang.lower(func, target=target)
     if ws and art.kernel_source.count("__syncthreads()") > 1:  # one after the barrier set-up; any other
         # is reached by some warpgroups only, after the producer waits on the consumers: a deadlock

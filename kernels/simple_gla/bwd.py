@@ -162,7 +162,8 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
 
 
 def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                    stages: int | None = None, delta: bool = False, BK: int | None = None, tma_qk: bool = True):
+                    stages: int | None = None, delta: bool = False, BK: int | None = None, tma_qk: bool = True,
+                    specialized: bool = True):
     """`BK` < K splits the key channels over `K / BK` programs per (chunk, head), each the
     unsplit program at K = BK: dq and dk of a channel need only its q, k, h and dh rows (and dS,
     which each program forms from do and v). What sums over all channels is written in float32
@@ -172,7 +173,12 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     `tma_qk` (the default): q and k by TMA on an mbarrier, in flight while G loads; each thread
     loaded its part and waited before, which on the delta rules also took 64-bit divisions for
     the grouped head per address (0.576 → 0.405 ms there at 4,4096,16,128 bf16, H200,
-    2026-12-03; `x_dqkvg_sync_qk`)."""
+    2026-12-03; `x_dqkvg_sync_qk`).
+
+    `specialized=False`: lowered without TileLang's warp specialization (no producer warpgroup:
+    128 threads, 164 registers at K = V = 64 with one stage, so three programs share an SM where
+    the specialized program's 256 threads at 240 registers take one; its loads have nothing to
+    overlap at V = 64, one V block). The experiment `x_dqkvg_flat` at K = 64, not yet measured."""
     BK = BK or K
     split = BK < K
     # two-stage loads over the V blocks: 0.387 against 0.431 ms at 4,4096,16,128 bf16 (H200); at
@@ -318,4 +324,5 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             with T.Kernel(NT, heads, threads=threads) as (it, ihv):
                 body(it, ihv, 0, q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
 
-    return main
+    # (build.py reads the attribute into the lowering's pass config)
+    return main if specialized else main.with_attr("fla.disable_warp_specialized", 1)
