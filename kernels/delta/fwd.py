@@ -219,8 +219,8 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
-    gated inverse times Diag(beta)), `v_new = u - w S = Ag (v - exp(G) * (k S))`. Four
-    warpgroups' roles in three:
+    gated inverse times Diag(beta)), `v_new = u - w S = Ag (v - exp(G) * (k S))`. Three
+    warpgroups per (V block, sequence * value head) program:
 
     * warpgroup 2 streams q, k, the V block of v, T0 (TMA), G and beta into `stages` buffers;
     * warpgroup 1 turns the stage's T0 into Ag in place (signalled on `ag_ready`), computes
