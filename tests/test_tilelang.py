@@ -600,6 +600,19 @@ def test_gla_export_for_cuda_has_the_custom_calls(K, monkeypatch):
     assert sorted(kernels(both)) == sorted([names[0]] + names[2:])
 
 
+def _gdn_custom_calls(K: int, allowed, *, l2norm: bool):
+    """`_cuda_custom_calls` of GDN with the tilelang backend: H = 2 q/k heads, 4 value heads."""
+    x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
+    v = jnp.zeros((1, 100, 4, K), jnp.bfloat16)
+    gb = jnp.zeros((1, 100, 4), jnp.float32)
+
+    def f(q, k, v, g, beta):
+        return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
+                                              backend="tilelang")
+
+    return _cuda_custom_calls(f, (x, x, v, gb, gb), allowed)
+
+
 @pytest.mark.parametrize("K", [64, 128, 256])
 def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
     """With DELTA_FWD_INVERSE the forward with no gradient lowers for CUDA to the inverse and the
@@ -607,16 +620,9 @@ def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
     reads its w, u and T)."""
     monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", True)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
-    v = jnp.zeros((1, 100, 4, K), jnp.bfloat16)
-    gb = jnp.zeros((1, 100, 4), jnp.float32)
-
-    def f(q, k, v, g, beta):
-        return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, backend="tilelang")
-
     names = [f"fla_delta_fwd_bf16_k{K}_v{K}_c64_{n}" for n in ("inv", "fused_t", "wy_t", "fused_h")]
     built = [vr.target(prog) for d in ("fwd", "bwd") for vr in [variants.find("delta", d, "bfloat16", K, K)] for prog in vr.programs]
-    fwd, both = _cuda_custom_calls(f, (x, x, v, gb, gb), built)
+    fwd, both = _gdn_custom_calls(K, built, l2norm=False)
     assert fwd == names[:2]
     assert [c for c in both if c.startswith("fla_delta_fwd")] == names[2:]
 
@@ -632,21 +638,13 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
     monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
-    v = jnp.zeros((1, 100, 4, K), jnp.bfloat16)
-    gb = jnp.zeros((1, 100, 4), jnp.float32)
-
-    def f(q, k, v, g, beta):
-        return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                              backend="tilelang")
-
     # under a gradient q and k are normalised by a kernel each (XLA's pass without one), and so
     # their gradients
     programs = [("fwd", "wy"), ("fwd", "fused")]
     programs += [("fwd", "norm")] * 2 + [("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
     programs += [("bwd", "dqkvg")] * fused + [("bwd", "wy_bwd")] * wy_kernel + [("bwd", "norm_bwd")] * 2
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]
-    fwd, both = _cuda_custom_calls(f, (x, x, v, gb, gb), sorted(set(names)))
+    fwd, both = _gdn_custom_calls(K, sorted(set(names)), l2norm=True)
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]
     assert kernels(fwd) == names[:2]
     assert sorted(kernels(both)) == sorted(names[2:])
