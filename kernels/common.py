@@ -96,8 +96,8 @@ def _stage(buf, slot):
 @T.macro
 def stage_loads(loads, full, free, nc, stages, c_first, step):
     """The loading warpgroup of the warp-specialized passes: for its i-th chunk
-    `c = c_first + step i` (`step` 1 forward, -1 in reverse), once both users freed stage
-    `i % stages`, each `(source, buffer, tma)` of `loads` in order: `source(c)` (a region of chunk
+    `c = c_first + step i` (`step` 1 forward, -1 in reverse), once its users freed stage
+    `i % stages` (on `free`), each `(source, buffer, tma)` of `loads` in order: `source(c)` (a region of chunk
     c) into that stage of `buffer`, by TMA on `full` or, where `tma` is False, by each thread
     (the scalar gates); then the warpgroup's own arrival on `full`."""
     T.set_max_nreg(40, 0)
