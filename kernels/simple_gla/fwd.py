@@ -253,7 +253,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
-                    if slot == 0:
+                    if i % 2 == 0:  # buffer i % 2, which output warpgroup 1 + i % 2 reads
                         publish_state(b_h, h_s0, s_ready0, s_free0, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
                     else:
                         publish_state(b_h, h_s1, s_ready1, s_free1, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
@@ -262,7 +262,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                     T.tma_store_wait()
                 T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
             outs = ((h_s0, p_s0, acc_s0, acc_o0, o_s0, s_ready0, s_free0), (h_s1, p_s1, acc_s1, acc_o1, o_s1, s_ready1, s_free1))
-            for w, (h_s, p_s, acc_s, acc_o, o_s, s_ready, s_free) in enumerate(outs):  # chunks 2 j + w, stage and buffer w
+            for w, (h_s, p_s, acc_s, acc_o, o_s, s_ready, s_free) in enumerate(outs):  # chunks 2 j + w, buffer w
                 with T.ws(1 + w):
                     T.set_max_nreg(136, 1)
                     for j in T.serial((nc + 1 - w) // 2):
