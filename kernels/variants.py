@@ -78,7 +78,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
                 config=(("store_h", True),)),
         # the forward with no gradient under DELTA_FWD_INVERSE: the gate-free inverse alone, then a state
-        # pass that forms w and u's product itself (jla's fused_fwd_wy)
+        # pass that forms v_new from it with no w and u (jla's fused_fwd_wy)
         Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t",), config=(("inverse_only", True),)),
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
     ),

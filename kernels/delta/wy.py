@@ -227,14 +227,11 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 T.barrier_wait(kv_full[0], 0)
             T.clear(acc_a)
             T.gemm(k_s, k_s, acc_a, transpose_B=True)
-            if inverse_only:
-                for a, b in T.Parallel(BT, BT):
-                    m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a], T.if_then_else(a == b, 1.0, 0.0))
-            else:
-                for a, b in T.Parallel(BT, BT):
-                    m_s[a, b] = T.if_then_else(
-                        a > b, acc_a[a, b] * b_s[a] * T.exp(g_s[a] - g_s[b]), T.if_then_else(a == b, 1.0, 0.0)
-                    )
+            # the gates' decay (none for the gate-free T0); a function, since TileLang makes a name bound to an
+            # expression a variable of its own
+            decay = (lambda a, b: 1.0) if inverse_only else (lambda a, b: T.exp(g_s[a] - g_s[b]))
+            for a, b in T.Parallel(BT, BT):
+                m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
             if merged:
                 bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
                 xh_s = T.alloc_shared((BT, BT), "bfloat16")
@@ -491,22 +488,18 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.clear(acc_v)
             T.gemm(th_s, du_s, acc_v, transpose_A=True)
             T.gemm(tl_s, du_s, acc_v, transpose_A=True)
-            if dvb_once:  # dv into the spent du tile, then the row sums from the same product
+            if dvb_once:  # dv into the spent du tile first, then the row sums take the product
                 T.sync_threads()  # every warp's share of the product has read du_s
                 for a, b in T.Parallel(BT, V):
                     du_s[a, b] = T.cast(acc_v[a, b] * b_s[a], dtype)
-                for a, b in T.Parallel(BT, V):
-                    acc_v[a, b] = acc_v[a, b] * T.cast(v_s[a, b], acc)
-                T.reduce_sum(acc_v, vrow, dim=1)
-                for a in T.Parallel(BT):
-                    rv_s[a] = vrow[a]
+            for a, b in T.Parallel(BT, V):
+                acc_v[a, b] = acc_v[a, b] * T.cast(v_s[a, b], acc)
+            T.reduce_sum(acc_v, vrow, dim=1)
+            for a in T.Parallel(BT):
+                rv_s[a] = vrow[a]
+            if dvb_once:
                 T.copy(du_s, dv[t0 : t0 + BT, ihv, 0:V], disable_tma=not tma_stores)
-            else:
-                for a, b in T.Parallel(BT, V):
-                    acc_v[a, b] = acc_v[a, b] * T.cast(v_s[a, b], acc)
-                T.reduce_sum(acc_v, vrow, dim=1)
-                for a in T.Parallel(BT):
-                    rv_s[a] = vrow[a]
+            else:  # the product again
                 T.clear(acc_v)
                 T.gemm(th_s, du_s, acc_v, transpose_A=True)
                 T.gemm(tl_s, du_s, acc_v, transpose_A=True)
