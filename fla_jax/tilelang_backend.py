@@ -52,10 +52,12 @@ DELTA_WY_BWD_KERNEL = True
 
 # The delta rules' forward with no gradient (the `fwd` direction) from the gate-free inverse T0
 # (`chunk_delta_wy(inverse_only=True)`, program `inv`) and `chunk_delta_fwd_t` (`fused_t`), which
-# forms v_new = Ag (v - exp(G) k S) on chip, instead of the WY kernel's w and u (jla's forward). Off
-# until measured on a GPU (written 2026-12-03 with no device time left; lowered and compiled for
-# sm_90a, emulated in the CPU tests, its GPU tests not yet run). Tests run both settings.
-DELTA_FWD_INVERSE = False
+# forms v_new = Ag (v - exp(G) k S) on chip, instead of the WY kernel's w and u (jla's forward).
+# GDN op forward 0.381 / 0.574 / 0.505 / 0.238 ms against 0.430 / 0.559 / 0.655 / 0.261 through w
+# and u at 4,4096,16,128 / 2,8192,16,128 / 4,4096,8,256 / 8,2048,16,64 bf16 (H200, 2026-12-03;
+# kernels inv + fused_t 0.108 + 0.221 against wy + fused 0.191 + 0.192 at the first). Tests run
+# both settings.
+DELTA_FWD_INVERSE = True
 
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.

@@ -58,11 +58,19 @@ class Variant:
         return f"{self.symbol}_{program.name}"
 
 
+# the consumer at K = V = 64 (one V block: its loads have nothing to overlap) without warp
+# specialization, one load stage, 128 threads: 0.138 against 0.231 ms for the warp-specialized
+# program (simple GLA; delta rules' v_new 0.141 against 0.237) at 8,2048,16,64 bf16, H200, 2026-12-03
+FLAT_64: Final = (("stages", 1), ("specialized", False))
+
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
         # two output warpgroups on alternate chunks (chunk_fwd_2out) where they measured faster: the
-        # forward at K = 64 and 128, the forward under a gradient (storing h) at K = 128
-        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), dims=(64, 128)),
+        # forward at K = 64 and 128, the forward under a gradient (storing h) at K = 128; at K = 64
+        # with three load stages (0.073 against 0.089 ms with two at 8,2048,16,64 bf16, H200, 2026-12-03)
+        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("stages", 3),),
+                dims=(64,)),
+        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), dims=(128,)),
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,)),
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"), config=(("store_h", True),),
                 dims=(128,)),
@@ -88,7 +96,9 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0"), dims=(256,)),
         # the simple GLA consumer on v_new (dv is the gradient of v_new): with DELTA_FUSED_BWD (the default)
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True),), dims=(64, 128)),
+                config=(("delta", True), *FLAT_64), dims=(64,)),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True),), dims=(128,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), ("BK", 128)), dims=(256,)),
         # the WY preparation's VJP given T: with DELTA_WY_BWD_KERNEL (the default)
@@ -98,7 +108,9 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
-        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), dims=(64, 128)),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=FLAT_64,
+                dims=(64,)),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), dims=(128,)),
         # K = 256: two programs per (chunk, head), 128 key channels each; dv and dg in float32 parts
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("BK", 128),), dims=(256,)),
@@ -196,7 +208,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True),)),
-        # two output warpgroups with three stages (193 KB of shared memory; not yet measured)
+        # two output warpgroups with three stages (193 KB of shared memory): 0.122 / 0.152 ms against 0.125 / 0.149
+        # dispatched (o only / storing h) at 4,4096,16,128, 0.201 / 0.213 against 0.203 / 0.217 at 2,8192,16,128
+        # (bf16, H200, 2026-12-03): within noise, not kept
         Program(name="x_fused_2out_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(("stages", 3),)),
         Program(name="x_fused_h_2out_s3", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
@@ -211,9 +225,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
         Program(name="x_fused_h_2out", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
                 config=(("store_h", True),)),
-        # two output warpgroups with three and four stages (not yet measured)
-        Program(name="x_fused_2out_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(("stages", 3),)),
+        # two output warpgroups with two (dispatched before) and four stages (0.089 and 0.073 ms against
+        # 0.073 for three at 8,2048,16,64 bf16, H200, 2026-12-03)
+        Program(name="x_fused_2out_s2", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht")),
         Program(name="x_fused_2out_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(("stages", 4),)),
     ),
@@ -227,22 +241,34 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_wy_bwd_sync", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("tma_loads", False), ("tma_stores", False))),
-        # dvb = T^T du formed once (not yet measured)
+        # dvb = T^T du formed once: 0.442 / 0.441 ms against 0.457 / 0.429 at 4,4096,16,128 / 2,8192,16,128
+        # (bf16, H200, 2026-12-03), not kept
         Program(name="x_wy_bwd_once", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("dvb_once", True),)),
+        # T through the registers into its halves and P transposed through X's spent halves: no float32
+        # T tile, 99.6 KB of shared memory against 115.7, so two programs per SM (not yet measured)
+        Program(name="x_wy_bwd_tregs", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
+                config=(("t_regs", True),)),
+        # the consumer without warp specialization, one stage (as dispatched at K = 64; not yet measured)
+        Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True), *FLAT_64)),
         Program(name="x_dqkvg_sync_qk", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), ("tma_qk", False))),
     ),
-    # the consumer at K = V = 64 without warp specialization, one stage: three programs per SM (not yet measured)
+    # the warp-specialized consumer at K = 64 (dispatched before FLAT_64)
     ("simple_gla", "bwd", "bf16", 64): (
-        Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("stages", 1), ("specialized", False))),
+        Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
     ("delta", "bwd", "bf16", 64): (
-        Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), ("stages", 1), ("specialized", False))),
+        # the WY VJP with T through the registers: 66.8 KB of shared memory against 82.9, three programs per SM against two
+        Program(name="x_wy_bwd_tregs", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
+                config=(("t_regs", True),)),
+        Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True),)),
     ),
     ("simple_gla", "bwd", "bf16", 128): (
+        Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=FLAT_64),
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
                 config=(("BK", 64),)),

@@ -149,18 +149,18 @@ def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
 def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
-    """DELTA_FWD_INVERSE (the forward with no gradient from the gate-free inverse: `inv`, then
-    `fused_t`) against float64 under NaN-poisoned outputs with fla's ratio (o and ht 0.006), and
-    beside the dispatched forward (WY kernel, state pass on w and u)."""
+    """Both forwards with no gradient, DELTA_FWD_INVERSE (the default: the gate-free inverse `inv`,
+    then `fused_t`) and without it (the WY kernel, then the state pass on w and u), against float64
+    under NaN-poisoned outputs with fla's ratio (o and ht 0.006)."""
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 17)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
-    forward = lambda: jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
-    o_wy, ht_wy = forward()
-    monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", True)
-    o, ht = forward()
-    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
-    print(case, {n: f"{e:.1e}" for n, e in errs.items()}, "wy path:", f"{err_ratio(ref_o, o_wy):.1e} {err_ratio(ref_ht, ht_wy):.1e}")
+    errs = {}
+    for inverse in (True, False):
+        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", inverse)
+        o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
+        errs |= {f"o{'' if inverse else '_wy'}": err_ratio(ref_o, o), f"ht{'' if inverse else '_wy'}": err_ratio(ref_ht, ht)}
+    print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     bad = {n: e for n, e in errs.items() if not e <= 0.006}
     assert not bad, bad
 
@@ -215,9 +215,9 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
         t = (jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32),) if name == "wy_t" else ()
         return (like(k), like(v), *t), (k, v, G, beta), {}
-    if op == "delta" and name == "dqkvg":  # the consumer on v_new; k unit rows
+    if op in ("simple_gla", "delta") and name == "dqkvg":  # the consumer (the delta rules': on v_new, k unit rows)
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
-        k = unit(k)
+        k = unit(k) if op == "delta" else k
         return (like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name == "wy_bwd":  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
@@ -615,16 +615,18 @@ def _gdn_custom_calls(K: int, allowed, *, l2norm: bool):
 
 @pytest.mark.parametrize("K", [64, 128, 256])
 def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
-    """With DELTA_FWD_INVERSE the forward with no gradient lowers for CUDA to the inverse and the
-    state pass that reads it; under a gradient the forward is still the WY kernel's (the backward
-    reads its w, u and T)."""
-    monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", True)
+    """With DELTA_FWD_INVERSE (the default) the forward with no gradient lowers for CUDA to the
+    inverse and the state pass that reads it, without it to the WY kernel and the state pass on w
+    and u; under a gradient the forward is the WY kernel's either way (the backward reads its w,
+    u and T)."""
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    names = [f"fla_delta_fwd_bf16_k{K}_v{K}_c64_{n}" for n in ("inv", "fused_t", "wy_t", "fused_h")]
+    names = [f"fla_delta_fwd_bf16_k{K}_v{K}_c64_{n}" for n in ("inv", "fused_t", "wy", "fused", "wy_t", "fused_h")]
     built = [vr.target(prog) for d in ("fwd", "bwd") for vr in [variants.find("delta", d, "bfloat16", K, K)] for prog in vr.programs]
-    fwd, both = _gdn_custom_calls(K, built, l2norm=False)
-    assert fwd == names[:2]
-    assert [c for c in both if c.startswith("fla_delta_fwd")] == names[2:]
+    for inverse, want in ((True, names[:2]), (False, names[2:4])):
+        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", inverse)
+        fwd, both = _gdn_custom_calls(K, built, l2norm=False)
+        assert fwd == want
+        assert [c for c in both if c.startswith("fla_delta_fwd")] == names[4:]
 
 
 @pytest.mark.parametrize("mode", DELTA_BWD_MODES)
@@ -640,7 +642,7 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     # under a gradient q and k are normalised by a kernel each (XLA's pass without one), and so
     # their gradients
-    programs = [("fwd", "wy"), ("fwd", "fused")]
+    programs = [("fwd", "inv"), ("fwd", "fused_t")]
     programs += [("fwd", "norm")] * 2 + [("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
     programs += [("bwd", "dqkvg")] * fused + [("bwd", "wy_bwd")] * wy_kernel + [("bwd", "norm_bwd")] * 2
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]

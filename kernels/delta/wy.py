@@ -339,7 +339,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
-                       tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False):
+                       tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False, t_regs: bool = False):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -358,7 +358,11 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     k and v tiles, stored by TMA (`x_wy_bwd_sync`: each thread loads and stores its part, the
     default before). `dvb_once`: `dvb = T^T du` formed once (dv written to the spent du tile
     before the row sums of `dvb v` take the accumulator) instead of twice; the same values
-    (`x_wy_bwd_once`, not yet measured)."""
+    (`x_wy_bwd_once`: 0.442 / 0.441 against 0.457 / 0.429 ms at 4,4096,16,128 / 2,8192,16,128 bf16,
+    H200, 2026-12-03). `t_regs`: T loaded through the registers straight into its halves and P
+    transposed for its column sums through X's spent halves (hi + lo) instead of T's float32
+    tile: 99.6 KB of shared memory against 115.7 at K = V = 128, so two programs share an SM
+    (`x_wy_bwd_tregs`; at K = 64 66.8 KB against 82.9, three programs against two)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
@@ -387,7 +391,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             v_s = T.alloc_shared((BT, V), dtype)
             dw_s = T.alloc_shared((BT, K), dtype)
             du_s = T.alloc_shared((BT, V), dtype)
-            t_s = T.alloc_shared((BT, BT), acc)
+            t_s = None if t_regs else T.alloc_shared((BT, BT), acc)
             th_s = T.alloc_shared((BT, BT), dtype)  # T = th + tl
             tl_s = T.alloc_shared((BT, BT), dtype)
             xh_s = T.alloc_shared((BT, BT), dtype)  # halves of dT, then of dT T^T, then of dkk
@@ -417,7 +421,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 arrive_once(full, 1)
                 T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s, barrier=full[0])
                 T.tma_copy(v[t0 : t0 + BT, ihv, 0:V], v_s, barrier=full[0])
-                T.tma_copy(t[ic, ihv, 0:BT, 0:BT], t_s, barrier=full[0])
+                if not t_regs:
+                    T.tma_copy(t[ic, ihv, 0:BT, 0:BT], t_s, barrier=full[0])
                 arrive_once(full, 0)
             # dw = -du h^T
             T.clear(acc_k)
@@ -443,9 +448,13 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
             if tma_loads:
                 T.barrier_wait(full[0], 0)
+            if t_regs:  # T through the registers into its halves
+                T.copy(t[ic, ihv, 0:BT, 0:BT], acc_c)
+                split(acc_c, None, th_s, tl_s)
             else:
-                T.copy(t[ic, ihv, 0:BT, 0:BT], t_s)
-            split(t_s, None, th_s, tl_s)
+                if not tma_loads:
+                    T.copy(t[ic, ihv, 0:BT, 0:BT], t_s)
+                split(t_s, None, th_s, tl_s)
             # dT = (dw k^T) Diag(s) + (du v^T) Diag(beta), exact products
             T.clear(acc_c)
             T.gemm(dw_s, k_s, acc_c, transpose_B=True)
@@ -475,9 +484,14 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             for a, b in T.Parallel(BT, BT):  # P = Q beta_i
                 acc_c2[a, b] = acc_c2[a, b] * b_s[a]
             T.reduce_sum(acc_c2, row, dim=1)
-            T.copy(acc_c2, t_s)  # P, transposed through shared memory for its column sums
-            for a, b in T.Parallel(BT, BT):
-                acc_c2[a, b] = t_s[b, a]
+            if t_regs:  # P, transposed through the spent halves of X
+                split(acc_c2, None, xh_s, xl_s)
+                for a, b in T.Parallel(BT, BT):
+                    acc_c2[a, b] = T.cast(xh_s[b, a], acc) + T.cast(xl_s[b, a], acc)
+            else:  # P, transposed through shared memory for its column sums
+                T.copy(acc_c2, t_s)
+                for a, b in T.Parallel(BT, BT):
+                    acc_c2[a, b] = t_s[b, a]
             T.reduce_sum(acc_c2, col, dim=1)
             for a in T.Parallel(BT):
                 rg_s[a] = row[a] - col[a]
