@@ -183,8 +183,14 @@ def lower_one(variant, program, key: str) -> dict:
     meta = {"target": target_name, "key": key, "variant": repr(variant), "program": repr(program),
             "source": f"kernels/{program.module.replace('.', '/')}.py", "params": params,
             "outputs": list(program.outputs), "descs": descs, "launches": launches}
-    (GEN / f"{target_name}.json").write_text(json.dumps(meta, indent=1))
-    return meta
+    return meta  # written by `main` once the cubin is: its key is what marks the cubin as built
+
+
+def _built(meta: dict, key: str) -> bool:
+    """Whether a program's description says its cubin was compiled from the lowering of `key`
+    (and the files are the ones it compiled)."""
+    sha = lambda ext: hashlib.sha256((GEN / f"{meta['target']}.{ext}").read_bytes()).hexdigest()
+    return meta["key"] == key and all(meta.get(f"{ext}_sha256") == sha(ext) for ext in ("cu", "cubin"))
 
 
 def compile_cubin(target_name: str, cuda: Path, tl_root: Path) -> None:
@@ -374,10 +380,11 @@ def main(argv=None) -> int:
     todo = []
     for v, p, key in work:
         meta_file = GEN / f"{v.target(p)}.json"
-        cached = meta_file.exists() and (GEN / f"{v.target(p)}.cubin.inc").exists() and json.loads(meta_file.read_text())["key"] == key
+        cached = meta_file.exists() and (GEN / f"{v.target(p)}.cubin.inc").exists() and _built(json.loads(meta_file.read_text()), key)
         if cached and not args.force:
             print(f"  cached    {v.target(p)}")
-        else:
+        else:  # no stale description may outlive an interrupted build with a key that matches
+            meta_file.unlink(missing_ok=True)
             todo.append((v, p, key))
     t0 = time.time()
     ctx = __import__("multiprocessing").get_context("spawn")
@@ -385,8 +392,10 @@ def main(argv=None) -> int:
         futures = {pool.submit(lower_one, v, p, key): v.target(p) for v, p, key in todo}
         for fut in cf.as_completed(futures):
             name = futures[fut]
-            fut.result()
+            meta = fut.result()
             compile_cubin(name, cuda, tl_root)
+            meta |= {f"{ext}_sha256": hashlib.sha256((GEN / f"{name}.{ext}").read_bytes()).hexdigest() for ext in ("cu", "cubin")}
+            (GEN / f"{name}.json").write_text(json.dumps(meta, indent=1))
             print(f"  built     {name} ({time.time() - t0:.0f}s)", flush=True)
     targets = []
     for v, p, _ in work:

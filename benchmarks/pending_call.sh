@@ -6,12 +6,13 @@
 #   run(command="OUT=$OUT bash benchmarks/pending_call.sh", carry=[".whl", "fla_jax/_ext.abi3.so", ".prof"])
 #
 # On the H200: the GPU tests against float64 (every op, the forwards from the gate-free inverse now
-# dispatched, the K = 64 programs now dispatched) and of every experiment against its dispatched
-# program; the new programs timed beside the ones they would replace (benchmarks/ncu_program.py);
-# the delta rules (OPS) beside jla (mosaic_gpu), and with the WY VJP experiment in place.
+# dispatched, the K = 64 programs and the WY VJP with T through the registers now dispatched) and
+# of every experiment against its dispatched program; the dispatched programs timed beside the ones
+# they replaced (benchmarks/ncu_program.py); the ops (OPS) beside jla (mosaic_gpu).
 set -u
-k128=(fla_delta_bwd_bf16_k128_v128_c64_{wy_bwd,x_wy_bwd_tregs,dqkvg,x_dqkvg_flat} fla_simple_gla_bwd_bf16_k128_v128_c64_{dqkvg,x_dqkvg_flat})
-k64=(fla_delta_bwd_bf16_k64_v64_c64_{wy_bwd,x_wy_bwd_tregs,dqkvg,x_dqkvg_ws} fla_simple_gla_bwd_bf16_k64_v64_c64_{dqkvg,x_dqkvg_ws})
+k128=(fla_delta_bwd_bf16_k128_v128_c64_{wy_bwd,x_wy_bwd_tile})
+k64=(fla_delta_bwd_bf16_k64_v64_c64_{wy_bwd,x_wy_bwd_tile,dqkvg,x_dqkvg_ws} fla_simple_gla_bwd_bf16_k64_v64_c64_{dqkvg,x_dqkvg_ws}
+     fla_simple_gla_fwd_bf16_k64_v64_c64_{fused,x_fused_2out_s2})
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
   for t in "${k128[@]}" "${k64[@]}"; do cp "build/gen/$t.cubin" "build/gen/$t.json" .prof/gen/ || exit 1; done
@@ -28,8 +29,6 @@ times() { timeout 60 python3 benchmarks/ncu_program.py --gen .prof/gen --shape "
 for sh in 4x4096x16x128 2x8192x16x128; do times $sh "${k128[@]}"; done
 times 8x2048x16x64 "${k64[@]}"
 echo "t=${SECONDS}"
-timeout 230 python3 benchmarks/bench.py --ops ${OPS:-gdn,delta} --shapes issue --impls fla_jax:tilelang,jla:mosaic_gpu \
+timeout ${TB:-330} python3 benchmarks/bench.py --ops ${OPS:-gdn,delta,simple_gla} --shapes issue --impls fla_jax:tilelang,jla:mosaic_gpu \
   --json "$O/bench.json" 2>&1 | grep -E "^\|" > "$O/bench.txt"
-timeout 100 python3 benchmarks/bench.py --ops gdn,delta --shapes issue --impls fla_jax:tilelang --experiments delta.bwd.wy_bwd=x_wy_bwd_tregs \
-  --json "$O/bench_tregs.json" 2>&1 | grep -E "^\|" | sed "s/^/tregs /" >> "$O/bench.txt"
 cat "$O/bench.txt"; echo "done in ${SECONDS}s"

@@ -101,8 +101,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("delta", True),), dims=(128,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), ("BK", 128)), dims=(256,)),
-        # the WY preparation's VJP given T: with DELTA_WY_BWD_KERNEL (the default)
-        Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
+        # the WY preparation's VJP given T: with DELTA_WY_BWD_KERNEL (the default). At K <= 128 with T
+        # through the registers (t_regs: 99.6 KB of shared memory at K = 128, two programs per SM, 66.8
+        # KB at 64, three): 0.336 / 0.347 / 0.187 ms against 0.457 / 0.453 / 0.242 at 4,4096,16,128 /
+        # 2,8192,16,128 / 8,2048,16,64 bf16 (H200, 2026-12-03); at K = 256 one program per SM either way
+        Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
+                config=(("t_regs", True),), dims=(64, 128)),
+        Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"), dims=(256,)),
         # the normalisation's gradient
         Program(name="norm_bwd", module="delta.norm", builder="l2norm_bwd", outputs=("dx",)),
     ),
@@ -245,11 +250,11 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # (bf16, H200, 2026-12-03), not kept
         Program(name="x_wy_bwd_once", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("dvb_once", True),)),
-        # T through the registers into its halves and P transposed through X's spent halves: no float32
-        # T tile, 99.6 KB of shared memory against 115.7, so two programs per SM (not yet measured)
-        Program(name="x_wy_bwd_tregs", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
-                config=(("t_regs", True),)),
-        # the consumer without warp specialization, one stage (as dispatched at K = 64; not yet measured)
+        # T in a float32 shared tile (dispatched before t_regs; one program per SM)
+        Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
+        # the consumer without warp specialization, one stage (as dispatched at K = 64): 0.448 / 0.448 ms
+        # against 0.425 / 0.426 at 4,4096,16,128 / 2,8192,16,128 (simple GLA 0.470 / 0.474 against
+        # 0.427 / 0.411; bf16, H200, 2026-12-03), not kept
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), *FLAT_64)),
         Program(name="x_dqkvg_sync_qk", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
@@ -260,15 +265,14 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
     ("delta", "bwd", "bf16", 64): (
-        # the WY VJP with T through the registers: 66.8 KB of shared memory against 82.9, three programs per SM against two
-        Program(name="x_wy_bwd_tregs", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
-                config=(("t_regs", True),)),
+        # the WY VJP with T in a float32 shared tile (dispatched before t_regs)
+        Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True),)),
     ),
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=FLAT_64),
+                config=FLAT_64),  # slower, see the delta rules' above
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
                 config=(("BK", 64),)),
