@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed; 2026-12-03, twelfth session). Two halves:
+# session for what is owed; 2026-12-03, twelfth session: run on the H200 at 21:44 UTC for the
+# final build, 86 GPU tests passed, results in RESULTS.md; what it did not reach: jla's simple GLA
+# rows at 4,4096,8,256 and 8,2048,16,64 (raise TB). Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
 #   run(command="OUT=$OUT bash benchmarks/pending_call.sh", carry=[".whl", "fla_jax/_ext.abi3.so", ".prof"])
