@@ -257,6 +257,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # 0.427 / 0.411; bf16, H200, 2026-12-03), not kept
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), *FLAT_64)),
+        # the same with V blocks of 32: 85 KB of shared memory and 231 registers at 128 threads, so two
+        # programs per SM (the one above: 115.7 KB and 244, one; not yet measured)
+        Program(name="x_dqkvg_flat_bv32", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg",
+                outputs=("dq", "dk", "dv", "dg"), config=(("delta", True), *FLAT_64, ("BV", 32))),
         Program(name="x_dqkvg_sync_qk", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), ("tma_qk", False))),
     ),
@@ -273,6 +277,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=FLAT_64),  # slower, see the delta rules' above
+        Program(name="x_dqkvg_flat_bv32", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg",
+                outputs=("dq", "dk", "dv", "dg"), config=(*FLAT_64, ("BV", 32))),
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
                 config=(("BK", 64),)),
