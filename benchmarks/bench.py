@@ -179,8 +179,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--delta-xla-vjps", action="store_true",
                     help="tilelang delta rules: the backward's parallel parts as XLA VJPs (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL off)")
-    ap.add_argument("--delta-fwd-inverse", action="store_true",
-                    help="tilelang delta rules: the forward with no gradient from the gate-free inverse (DELTA_FWD_INVERSE)")
+    ap.add_argument("--delta-fwd-wy", action="store_true",
+                    help="tilelang delta rules: the forward with no gradient through the WY kernel's w and u (DELTA_FWD_INVERSE off)")
     ap.add_argument("--experiments", default="",
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
@@ -193,8 +193,8 @@ def main(argv=None):
         tilelang_backend.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
     if args.delta_xla_vjps:
         tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = False
-    if args.delta_fwd_inverse:
-        tilelang_backend.DELTA_FWD_INVERSE = True
+    if args.delta_fwd_wy:
+        tilelang_backend.DELTA_FWD_INVERSE = False
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     impls = args.impls.split(",")
