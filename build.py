@@ -186,11 +186,15 @@ def lower_one(variant, program, key: str) -> dict:
     return meta  # written by `main` once the cubin is: its key is what marks the cubin as built
 
 
+def _hashes(target_name: str) -> dict[str, str]:
+    """The SHA-256 of a program's CUDA source and cubin, as its description records them."""
+    return {f"{ext}_sha256": hashlib.sha256((GEN / f"{target_name}.{ext}").read_bytes()).hexdigest() for ext in ("cu", "cubin")}
+
+
 def _built(meta: dict, key: str) -> bool:
     """Whether a program's description says its cubin was compiled from the lowering of `key`
     (and the files are the ones it compiled)."""
-    sha = lambda ext: hashlib.sha256((GEN / f"{meta['target']}.{ext}").read_bytes()).hexdigest()
-    return meta["key"] == key and all(meta.get(f"{ext}_sha256") == sha(ext) for ext in ("cu", "cubin"))
+    return meta["key"] == key and all(meta.get(k) == h for k, h in _hashes(meta["target"]).items())
 
 
 def compile_cubin(target_name: str, cuda: Path, tl_root: Path) -> None:
@@ -394,7 +398,7 @@ def main(argv=None) -> int:
             name = futures[fut]
             meta = fut.result()
             compile_cubin(name, cuda, tl_root)
-            meta |= {f"{ext}_sha256": hashlib.sha256((GEN / f"{name}.{ext}").read_bytes()).hexdigest() for ext in ("cu", "cubin")}
+            meta |= _hashes(name)
             (GEN / f"{name}.json").write_text(json.dumps(meta, indent=1))
             print(f"  built     {name} ({time.time() - t0:.0f}s)", flush=True)
     targets = []
