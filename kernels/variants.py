@@ -62,6 +62,13 @@ class Variant:
 # specialization, one load stage, 128 threads: 0.138 against 0.231 ms for the warp-specialized
 # program (simple GLA; delta rules' v_new 0.141 against 0.237) at 8,2048,16,64 bf16, H200, 2026-12-03
 FLAT_64: Final = (("stages", 1), ("specialized", False))
+# and at K = 128 in V blocks of 32 with two load stages (111.6 KB of shared memory, 226 registers
+# at 128 threads: two programs per SM where the warp-specialized one, 256 threads at 240 registers,
+# fits one). H200, bf16, 2026-12-03, ms at 4,4096,16,128 / 2,8192,16,128: with one stage 0.375 /
+# 0.357 against 0.426 / 0.405 (warp-specialized) on the delta rules' v_new, simple GLA 0.352 / 0.386
+# against 0.418 / 0.431; with two (a later call, on a slower GPU) 0.341 / 0.315 against one stage's
+# 0.397 / 0.387 (delta), 0.309 / 0.346 against 0.387 / 0.378 (simple GLA)
+FLAT_BV32: Final = (("stages", 2), ("specialized", False), ("BV", 32))
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -88,6 +95,9 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # the forward with no gradient under DELTA_FWD_INVERSE: the gate-free inverse alone, then a state
         # pass that forms v_new from it with no w and u (jla's fused_fwd_wy)
         Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t",), config=(("inverse_only", True),)),
+        # (Tried, 2026-12-03 on an H200, bf16, not kept: warpgroup 0 carrying S^T as jla does, so that W and
+        # the decayed v_new enter the GEMMs from registers and only S goes through shared memory: 0.255 /
+        # 0.413 / 0.400 / 0.149 ms against 0.255 / 0.409 / 0.418 / 0.147 at the four issue shapes.)
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
     ),
     ("delta", "bwd"): (
@@ -98,7 +108,9 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), *FLAT_64), dims=(64,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True),), dims=(128,)),
+                config=(("delta", True), *FLAT_BV32), dims=(128,)),
+        # (at K = 256 as FLAT_BV32, 82.9 KB, two programs per SM: 0.602 ms, with two stages 0.552,
+        # against 0.500 at 4,4096,8,256; simple GLA 0.634 against 0.519; bf16, H200, 2026-12-03: not kept)
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), ("BK", 128)), dims=(256,)),
         # the WY preparation's VJP given T: with DELTA_WY_BWD_KERNEL (the default). At K <= 128 with T
@@ -115,7 +127,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=FLAT_64,
                 dims=(64,)),
-        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), dims=(128,)),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=FLAT_BV32,
+                dims=(128,)),
         # K = 256: two programs per (chunk, head), 128 key channels each; dv and dg in float32 parts
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("BK", 128),), dims=(256,)),
@@ -257,10 +270,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # 0.427 / 0.411; bf16, H200, 2026-12-03), not kept
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), *FLAT_64)),
-        # the same with V blocks of 32: 85 KB of shared memory and 231 registers at 128 threads, so two
-        # programs per SM (the one above: 115.7 KB and 244, one; not yet measured)
-        Program(name="x_dqkvg_flat_bv32", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg",
-                outputs=("dq", "dk", "dv", "dg"), config=(("delta", True), *FLAT_64, ("BV", 32))),
+        # the warp-specialized consumer (dispatched before FLAT_BV32)
+        Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True),)),
         Program(name="x_dqkvg_sync_qk", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("delta", True), ("tma_qk", False))),
     ),
@@ -277,8 +289,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=FLAT_64),  # slower, see the delta rules' above
-        Program(name="x_dqkvg_flat_bv32", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg",
-                outputs=("dq", "dk", "dv", "dg"), config=(*FLAT_64, ("BV", 32))),
+        Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
                 config=(("BK", 64),)),

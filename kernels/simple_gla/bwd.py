@@ -179,7 +179,9 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     128 threads, 164 registers at K = V = 64 with one stage, so three programs share an SM where
     the specialized program's 256 threads at 240 registers take one; its loads have nothing to
     overlap at V = 64, one V block): dispatched at K = 64 (`variants.FLAT_64`: 0.138 against 0.231
-    ms at 8,2048,16,64 bf16, H200, 2026-12-03), the experiment `x_dqkvg_flat` at K = 128."""
+    ms at 8,2048,16,64 bf16, H200, 2026-12-03) and at K = 128 in V blocks of 32 with two stages
+    (`variants.FLAT_BV32`, two programs per SM); at K = 128 with V blocks of 64 it is slower
+    (`x_dqkvg_flat`), and so is FLAT_BV32 at K = 256 with `BK = 128` (0.60 against 0.50 ms)."""
     BK = BK or K
     split = BK < K
     # two-stage loads over the V blocks: 0.387 against 0.431 ms at 4,4096,16,128 bf16 (H200); at
