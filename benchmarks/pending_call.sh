@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Owed since 2026-12-03 (thirteenth session): the consumer at K = 128 as
-# now dispatched (`variants.FLAT_BV32`: V blocks of 32, two load stages, no warp specialization;
-# measured as an experiment, not yet as the dispatched program under the op tests). Two halves:
+# session for what is owed). Nothing is owed now: as it stands it re-checks the thirteenth session's
+# final build (run 2026-12-04 00:05 UTC, RESULTS.md: the consumer at K = 128 as dispatched,
+# `variants.FLAT_BV32`, beside the warp-specialized one, the op tests, GDN and simple GLA beside jla).
+# Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
 #   run(command="OUT=$OUT bash benchmarks/pending_call.sh", carry=[".whl", "fla_jax/_ext.abi3.so", ".prof"])
