@@ -1,5 +1,5 @@
-"""Where the time of one op's fwd+bwd goes on the GPU: runs the jitted training step (as bench.py
-times it) under the JAX profiler and sums the device time of each kernel by name, per step.
+"""Where the time of one op's fwd+bwd (or, with `--fwd`, its forward) goes on the GPU: runs the
+jitted training step (as bench.py times it) under the JAX profiler and sums the device time of each kernel by name, per step.
 
     python benchmarks/profile_op.py --op gated_delta_rule --shape 4x4096x16x128 --impl fla_jax:tilelang
 
@@ -41,9 +41,11 @@ def main():
     ap.add_argument("--shape", default="4x4096x16x128")
     ap.add_argument("--impl", default="fla_jax:tilelang")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--fwd", action="store_true", help="the forward alone (default: the training step)")
     args = ap.parse_args()
     shape = tuple(int(n) for n in args.shape.split("x"))
-    _, f, a = jax_step(args.impl, args.op, shape)
+    fwd, step, a = jax_step(args.impl, args.op, shape)
+    f = fwd if args.fwd else step
     for _ in range(3):
         jax.block_until_ready(f(*a))
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,7 +60,7 @@ def main():
             if k == kind:
                 total[name] += us
                 count[name] += 1
-        print(f"{args.op} {args.shape} {args.impl}, by {'HLO op' if kind == 'op' else 'kernel'}:")
+        print(f"{args.op} {args.shape} {args.impl} {'fwd' if args.fwd else 'fwd+bwd'}, by {'HLO op' if kind == 'op' else 'kernel'}:")
         print(f"{'us/step':>9} {'calls/step':>10}  name")
         for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
             print(f"{us / args.steps:9.1f} {count[name] / args.steps:10.1f}  {name[:150]}")

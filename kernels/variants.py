@@ -98,7 +98,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # (Tried, 2026-12-03 on an H200, bf16, not kept: warpgroup 0 carrying S^T as jla does, so that W and
         # the decayed v_new enter the GEMMs from registers and only S goes through shared memory: 0.255 /
         # 0.413 / 0.400 / 0.149 ms against 0.255 / 0.409 / 0.418 / 0.147 at the four issue shapes.)
-        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
+        # with a fourth warpgroup forming the decay matrix, Ag and P (`prep`) at K <= 128: 0.224 / 0.368 ms
+        # against 0.244 / 0.406 in three warpgroups at 4,4096,16,128 / 2,8192,16,128 (bf16, H200,
+        # 2026-12-04), the same bits; at K = 256 the state's registers leave no room for it
+        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), config=(("prep", True),),
+                dims=(64, 128)),
+        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), dims=(256,)),
     ),
     ("delta", "bwd"): (
         # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit)
@@ -209,6 +214,14 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("stages", 3),)),
         Program(name="x_fused_h_1wg", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd_1wg",
                 outputs=("o", "vnew", "h", "ht"), config=(("store_h", True),)),
+        # the forward from T0 in three warpgroups (dispatched before); and with the fourth warpgroup also
+        # forming k exp(G_C - G) so that warpgroup 0 updates the state from the published v_new (`decay_k`):
+        # slower, 0.221 / 0.410 ms against 0.207 / 0.369 without (0.263 / 0.412 in three warpgroups) at
+        # 4,4096,16,128 / 2,8192,16,128 (bf16, H200, 2026-12-04): the fourth warpgroup becomes the bound
+        # (warpgroup 0 waits on Ag for 22 % of its stall samples, the output warpgroup on P for 64 %)
+        Program(name="x_fused_t_3wg", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
+        Program(name="x_fused_t_kd", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
+                config=(("prep", True), ("decay_k", True))),
     ),
     # the one-pass forward in one warpgroup (the default before the warp-specialized one); the three-warpgroup
     # pass with V blocks of 128, 3 and 4 stages. (Tried and not kept, 2026-12-03 on an H200: V blocks of 32,

@@ -205,6 +205,11 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)  # w, u: T (k beta e^G) and T (v beta) in scale
         return (like(v), like(v), *h, like(h0)), (q, k, w, v, G, h0, cstart, ccount), scale
+    if (op, name) == ("delta", "fused_t"):  # the forward from T0: a unit lower triangular T0 in scale
+        q, k, v, h0 = x(L, H, D), unit(x(L, H, D)), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
+        t = (jnp.tril(jnp.asarray(rng.standard_normal((NT, H, 64, 64)) * 0.1, jnp.float32), -1) + jnp.eye(64)).astype(dtype)
+        beta = jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
+        return (like(v), like(h0)), (q, k, v, t, G, beta, h0, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if (op, name) == ("delta", "dh"):  # the reverse pass, 2 sequences; k unit rows, w as T (k beta e^G) in scale
         q, k, do, dht = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         k = unit(k)
@@ -249,8 +254,8 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     # GLA's intra-chunk parts, exact against chunk-wide: terms move between the float32 elementwise
     # path and GEMMs of bf16-rounded operands, so the two agree to the input dtype's rounding; so do
     # the state passes of one warpgroup and the warp-specialized ones (v exp(G_C - G) is rounded
-    # where k exp(G_C - G) was, do exp(G) where q exp(G) was)
-    assert all(e <= (5e-3 if prog.kind in ("a", "fused", "fused_h", "dh") else 1e-2 if prog.kind == "dqkvg" else 2e-3) for e in errs), errs
+    # where k exp(G_C - G) was, do exp(G) where q exp(G) was; the forward from T0 the other way round)
+    assert all(e <= (5e-3 if prog.kind in ("a", "fused", "fused_h", "dh", "fused_t") else 1e-2 if prog.kind == "dqkvg" else 2e-3) for e in errs), errs
 
 
 @on_hopper

@@ -215,7 +215,8 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
 
 
-def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None):
+def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
+                      prep: bool = False, decay_k: bool = False):
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
@@ -232,10 +233,28 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
 
     The published S and v_new are double-buffered (jla's choice), so warpgroup 0 waits for
     warpgroup 1 only two chunks back. Writes `o` and the final states `ht`; not v_new nor h (a
-    gradient takes `chunk_delta_fwd` after `chunk_delta_wy`, whose w, u, T the backward reads)."""
+    gradient takes `chunk_delta_fwd` after `chunk_delta_wy`, whose w, u, T the backward reads).
+
+    `prep`: four warpgroups (512 threads). Nsight Compute (H200, 4,4096,16,128) found the output
+    warpgroup of the three-warpgroup pass busy all the time, 37 % of it on Ag (the decay matrix
+    `exp(G_i - G_j)` formed twice per chunk, for Ag and for P), and warpgroup 0 waiting on Ag for
+    15 % of its time. With `prep` a third warpgroup forms the decay matrix once per chunk, Ag (in
+    place, `ag_ready`) and then `P` into the stage's own P tile (`p_ready`); the output warpgroup
+    only forms `o` from P, the published S and v_new; warpgroup 3 loads.
+
+    `decay_k` (with `prep`): the third warpgroup also forms `kd = k exp(G_C - G)` (input dtype, a
+    tile per stage) before signalling `ag_ready`, and warpgroup 0 updates the state from the
+    published v_new, `S <- exp(G_C) S + kd^T v_new`, instead of decaying v_new itself (the decay,
+    its rounding and its store took 30 % of warpgroup 0's stall samples). The same as fla's
+    `k exp(G_C - G)` update; the product is rounded where the other rounds `v_new exp(G_C - G)`."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     stages = stages or (2 if K <= 128 else 1)
+    nwg = 4 if prep else 3
+    if prep and stages != 2:
+        raise ValueError("chunk_delta_fwd_t(prep=True) keeps one P tile per stage of two")
+    if decay_k and not prep:
+        raise ValueError("chunk_delta_fwd_t(decay_k=True) needs prep=True")
 
     @T.prim_func
     def main(
@@ -252,14 +271,14 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
         o: T.Tensor((L, HV, V), dtype),
         ht: T.Tensor((N, HV, K, V), acc),
     ):
-        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=384) as (iv, inh):
+        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=128 * nwg) as (iv, inh):
             n = inh // HV
             ihv = inh % HV
             ih = ihv // (HV // H)
             q_s = T.alloc_shared((stages, BT, K), dtype)
             k_s = T.alloc_shared((stages, BT, K), dtype)
             v_s = T.alloc_shared((stages, BT, BV), dtype)
-            t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 1)
+            t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 1, or 2 with prep)
             g_s = T.alloc_shared((stages, BT), acc)
             b_s = T.alloc_shared((stages, BT), acc)
             h_s0 = T.alloc_shared((K, BV), dtype)
@@ -269,14 +288,20 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             w_s = T.alloc_shared((BT, BV), dtype)
             vd_s = T.alloc_shared((BT, BV), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
+            p_s1 = T.alloc_shared((BT, BT), dtype)  # with prep: stage 1's P (stage 0's in p_s)
             o_s = T.alloc_shared((BT, BV), dtype)
             b_h = T.alloc_fragment((K, BV), acc)
             acc_v = T.alloc_fragment((BT, BV), acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
+            if prep:
+                acc_d = T.alloc_fragment((BT, BT), acc)  # the chunk's decay matrix
+                p_ready = T.alloc_barrier([128] * stages)  # the stage's P is written
+                if decay_k:
+                    kd_s = T.alloc_shared((stages, BT, K), dtype)  # k exp(G_C - G)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
-            free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
-            ag_ready = T.alloc_barrier([128] * stages)  # warpgroup 1 wrote the stage's Ag
+            free = T.alloc_barrier([256] * stages)  # warpgroups 0 and 1 are done with a stage
+            ag_ready = T.alloc_barrier([128] * stages)  # the stage's Ag is written
             s_ready0 = T.alloc_barrier([128])  # warpgroup 0 published S and v_new in buffer 0
             s_free0 = T.alloc_barrier([128])  # warpgroup 1 has read them
             s_ready1 = T.alloc_barrier([128])
@@ -284,14 +309,41 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             bufs = ((h_s0, vn_s0, s_ready0, s_free0), (h_s1, vn_s1, s_ready1, s_free1))
             c0 = cstart[n]
             nc = ccount[n]
-            with T.ws(2):
+            with T.ws(nwg - 1):
                 rows = lambda c: slice(c * BT, c * BT + BT)
                 loads = ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
                          (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True),
                          (lambda c: g[rows(c), ihv], g_s, False), (lambda c: beta[rows(c), ihv], b_s, False))
                 stage_loads(loads, full, free, nc, stages, c0, 1)
+            if prep:
+                with T.ws(2):
+                    T.set_max_nreg(136, 1)
+                    for i in T.serial(nc):
+                        slot = i % stages
+                        T.barrier_wait(full[slot], (i // stages) % 2)
+                        T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers
+                        for r, c in T.Parallel(BT, BT):
+                            acc_d[r, c] = T.if_then_else(r >= c, T.exp(g_s[slot, r] - g_s[slot, c]), 0.0)
+                        for r, c in T.Parallel(BT, BT):
+                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * b_s[slot, c]
+                        T.copy(acc_s, t_s[slot, :, :])
+                        if decay_k:
+                            for r, c in T.Parallel(BT, K):
+                                kd_s[slot, r, c] = T.cast(T.cast(k_s[slot, r, c], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(ag_ready[slot])
+                        T.clear(acc_s)
+                        T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+                        for r, c in T.Parallel(BT, BT):
+                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale
+                        if slot == 0:
+                            T.copy(acc_s, p_s)
+                        else:
+                            T.copy(acc_s, p_s1)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(p_ready[slot])
             with T.ws(0):
-                T.set_max_nreg(232, 1)
+                T.set_max_nreg(200 if prep else 232, 1)
                 T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
                 for i in T.serial(nc):
                     slot = i % stages
@@ -312,29 +364,57 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                             T.copy(acc_v, vn_s)
                             T.fence_proxy_async()
                             T.barrier_arrive(s_ready[0])
-                    for r, c in T.Parallel(BT, BV):
-                        vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
-                    for r, c in T.Parallel(K, BV):
-                        b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
-                    T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
+                            if decay_k:  # S <- exp(G_C) S + kd^T v_new, from the published v_new
+                                for r, c in T.Parallel(K, BV):
+                                    b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                                T.gemm(kd_s[slot, :, :], vn_s, b_h, transpose_A=True)
+                    if not decay_k:
+                        for r, c in T.Parallel(BT, BV):
+                            vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                        for r, c in T.Parallel(K, BV):
+                            b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                        T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
                     T.barrier_arrive(free[slot])
                 T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
-            with T.ws(1):
-                T.set_max_nreg(232, 1)
-                for i in T.serial(nc):
-                    slot = i % stages
-                    t0 = (c0 + i) * BT
-                    T.barrier_wait(full[slot], (i // stages) % 2)
-                    T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers (acc_s is free until P)
-                    for r, c in T.Parallel(BT, BT):
-                        acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * b_s[slot, c], 0.0)
-                    T.copy(acc_s, t_s[slot, :, :])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(ag_ready[slot])
-                    for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
-                        if i % 2 == j:
-                            output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot,
-                                         stages, t0, ihv, iv, scale, True, i // 2)
+            if prep:
+                with T.ws(1):
+                    T.set_max_nreg(136, 1)
+                    for i in T.serial(nc):
+                        slot = i % stages
+                        t0 = (c0 + i) * BT
+                        T.barrier_wait(p_ready[slot], (i // stages) % 2)
+                        for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
+                            if i % 2 == j:
+                                T.barrier_wait(s_ready[0], (i // 2) % 2)
+                                T.clear(acc_o)
+                                T.gemm(q_s[slot, :, :], h_s, acc_o)
+                                for r, c in T.Parallel(BT, BV):
+                                    acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
+                                if slot == 0:
+                                    T.gemm(p_s, vn_s, acc_o)
+                                else:
+                                    T.gemm(p_s1, vn_s, acc_o)
+                                T.barrier_arrive(s_free[0])
+                        T.barrier_arrive(free[slot])
+                        T.copy(acc_o, o_s)
+                        T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+            else:
+                with T.ws(1):
+                    T.set_max_nreg(232, 1)
+                    for i in T.serial(nc):
+                        slot = i % stages
+                        t0 = (c0 + i) * BT
+                        T.barrier_wait(full[slot], (i // stages) % 2)
+                        T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers (acc_s is free until P)
+                        for r, c in T.Parallel(BT, BT):
+                            acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * b_s[slot, c], 0.0)
+                        T.copy(acc_s, t_s[slot, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(ag_ready[slot])
+                        for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
+                            if i % 2 == j:
+                                output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i,
+                                             slot, stages, t0, ihv, iv, scale, True, i // 2)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return main.with_attr("fla.disable_shared_memory_reuse", 1)
