@@ -8,6 +8,7 @@ log decays, chunk tables for whole sequences, everything else random), encodes t
 and launches through the driver API (ctypes on libcuda: no CuPy, torch or JAX needed).
 
     python benchmarks/ncu_program.py --gen build/gen --shape 4x4096x16x128 fla_delta_fwd_bf16_k128_v128_c64_wy
+    python benchmarks/ncu_program.py --inner 10 --rounds 5 --reps 10 A B C   # A, B, C in turn, 10 launches a sample
     ncu --clock-control none --set full -k main_kernel -c 1 -o wy python benchmarks/ncu_program.py --reps 1 ...
 
 Values are not checked here (the GPU tests do that): only the programs' time and counters.
@@ -77,19 +78,22 @@ class Driver:
         self.check(self.lib.cuLaunchKernel(fn, *(ctypes.c_uint(x) for x in grid), *(ctypes.c_uint(x) for x in block),
                                            ctypes.c_uint(smem), None, arr, None), "cuLaunchKernel")
 
-    def time(self, fn, grid, block, smem, params, reps):
+    def time(self, fn, grid, block, smem, params, reps, inner=1):
+        """`reps` times, in ms per launch, of `inner` back-to-back launches each (one launch between
+        two events leaves the GPU idle between samples and reads its clock ramp and the launch too)."""
         ev = [ctypes.c_void_p() for _ in range(2)]
         for e in ev:
             self.check(self.lib.cuEventCreate(ctypes.byref(e), 0), "cuEventCreate")
         out = []
         for _ in range(reps):
             self.check(self.lib.cuEventRecord(ev[0], None), "cuEventRecord")
-            self.launch(fn, grid, block, smem, params)
+            for _ in range(inner):
+                self.launch(fn, grid, block, smem, params)
             self.check(self.lib.cuEventRecord(ev[1], None), "cuEventRecord")
             self.check(self.lib.cuEventSynchronize(ev[1]), "cuEventSynchronize")
             ms = ctypes.c_float()
             self.check(self.lib.cuEventElapsedTime(ctypes.byref(ms), ev[0], ev[1]), "cuEventElapsedTime")
-            out.append(ms.value)
+            out.append(ms.value / inner)
         return out
 
 
@@ -193,6 +197,8 @@ def main():
     ap.add_argument("--gen", default="build/gen")
     ap.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--inner", type=int, default=1, help="back-to-back launches per timed sample")
+    ap.add_argument("--rounds", type=int, default=1, help="time the targets in turn, this many rounds")
     args = ap.parse_args()
     if args.stalls:
         return stalls(args.stalls)
@@ -200,10 +206,24 @@ def main():
         ap.error("name at least one target (or --stalls CSV)")
     B, T, H, _ = (int(x) for x in args.shape.split("x"))
     drv = Driver()
-    for target in args.targets:
-        for run in prepare(drv, pathlib.Path(args.gen), target, B, T, H):
-            ms = drv.time(*run, reps=args.reps)
-            print(f"{target}: median {statistics.median(ms):.4f} ms over {len(ms)} (first {ms[0]:.4f})", flush=True)
+    if args.rounds == 1:
+        for target in args.targets:
+            for run in prepare(drv, pathlib.Path(args.gen), target, B, T, H):
+                ms = drv.time(*run, reps=args.reps, inner=args.inner)
+                print(f"{target}: median {statistics.median(ms):.4f} ms over {len(ms)} (first {ms[0]:.4f})", flush=True)
+        return
+    # interleaved: every target prepared first, then timed in turn each round, so that a drift of
+    # the GPU's clock over the run falls on all of them alike
+    runs = {t: list(prepare(drv, pathlib.Path(args.gen), t, B, T, H)) for t in args.targets}
+    times = {t: [] for t in args.targets}
+    for _ in range(args.rounds):
+        for t, rs in runs.items():
+            for run in rs:
+                times[t] += drv.time(*run, reps=args.reps, inner=args.inner)
+    for t, ms in times.items():
+        q = statistics.quantiles(ms, n=4)
+        print(f"{t}: median {statistics.median(ms):.4f} ms (quartiles {q[0]:.4f} / {q[2]:.4f}) over {len(ms)} samples of "
+              f"{args.inner} launches, {args.rounds} rounds", flush=True)
 
 
 if __name__ == "__main__":

@@ -73,11 +73,12 @@ FLAT_BV32: Final = (("stages", 2), ("specialized", False), ("BV", 32))
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
         # two output warpgroups on alternate chunks (chunk_fwd_2out) where they measured faster: the
-        # forward at K = 64 and 128, the forward under a gradient (storing h) at K = 128; at K = 64
-        # with three load stages (0.073 against 0.089 ms with two at 8,2048,16,64 bf16, H200, 2026-12-03)
+        # forward at K = 64 and 128, the forward under a gradient (storing h) at K = 128; with three load
+        # stages (0.073 against 0.089 ms with two at 8,2048,16,64 bf16, H200, 2026-12-03; at K = 128
+        # 0.1004 / 0.1823 against 0.1025 / 0.1844 at 4,4096,16,128 / 2,8192,16,128, 2026-12-04, ten
+        # launches a sample, interleaved)
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("stages", 3),),
-                dims=(64,)),
-        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), dims=(128,)),
+                dims=(64, 128)),
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,)),
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"), config=(("store_h", True),),
                 dims=(128,)),
@@ -98,9 +99,10 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # (Tried, 2026-12-03 on an H200, bf16, not kept: warpgroup 0 carrying S^T as jla does, so that W and
         # the decayed v_new enter the GEMMs from registers and only S goes through shared memory: 0.255 /
         # 0.413 / 0.400 / 0.149 ms against 0.255 / 0.409 / 0.418 / 0.147 at the four issue shapes.)
-        # with a fourth warpgroup forming the decay matrix, Ag and P (`prep`) at K <= 128: 0.224 / 0.368 ms
-        # against 0.244 / 0.406 in three warpgroups at 4,4096,16,128 / 2,8192,16,128 (bf16, H200,
-        # 2026-12-04), the same bits; at K = 256 the state's registers leave no room for it
+        # with a fourth warpgroup forming the decay matrix, Ag and P (`prep`) at K <= 128: 0.175 / 0.345 ms
+        # against 0.193 / 0.385 in three warpgroups at 4,4096,16,128 / 2,8192,16,128 (bf16, H200,
+        # 2026-12-04, ten launches a sample, interleaved), the same bits; at K = 256 the state's registers
+        # leave no room for it
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), config=(("prep", True),),
                 dims=(64, 128)),
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), dims=(256,)),
@@ -216,9 +218,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 outputs=("o", "vnew", "h", "ht"), config=(("store_h", True),)),
         # the forward from T0 in three warpgroups (dispatched before); and with the fourth warpgroup also
         # forming k exp(G_C - G) so that warpgroup 0 updates the state from the published v_new (`decay_k`):
-        # slower, 0.221 / 0.410 ms against 0.207 / 0.369 without (0.263 / 0.412 in three warpgroups) at
-        # 4,4096,16,128 / 2,8192,16,128 (bf16, H200, 2026-12-04): the fourth warpgroup becomes the bound
-        # (warpgroup 0 waits on Ag for 22 % of its stall samples, the output warpgroup on P for 64 %)
+        # slower, 0.183 / 0.349 ms against 0.175 / 0.345 without at 4,4096,16,128 / 2,8192,16,128 (bf16,
+        # H200, 2026-12-04): the fourth warpgroup becomes the bound (warpgroup 0 waits on Ag for 22 % of its
+        # stall samples, the output warpgroup on P for 64 %). (With P left to the output warpgroup, its own
+        # fragment, 0.184 / 0.346: not kept.)
         Program(name="x_fused_t_3wg", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
         Program(name="x_fused_t_kd", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("decay_k", True))),
@@ -239,11 +242,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True),)),
-        # two output warpgroups with three stages (193 KB of shared memory): 0.122 / 0.152 ms against 0.125 / 0.149
-        # dispatched (o only / storing h) at 4,4096,16,128, 0.201 / 0.213 against 0.203 / 0.217 at 2,8192,16,128
-        # (bf16, H200, 2026-12-03): within noise, not kept
-        Program(name="x_fused_2out_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(("stages", 3),)),
+        # two output warpgroups with two stages (the forward dispatched before 2026-12-04) and, storing h, three
+        # (193 KB of shared memory): 0.152 against 0.149 ms dispatched at 4,4096,16,128, 0.213 against 0.217 at
+        # 2,8192,16,128 (bf16, H200, 2026-12-03, one launch a sample): within noise, not kept
+        Program(name="x_fused_2out_s2", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht")),
         Program(name="x_fused_h_2out_s3", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
                 config=(("store_h", True), ("stages", 3))),
     ),
