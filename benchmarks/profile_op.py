@@ -1,5 +1,6 @@
 """Where the time of one op's fwd+bwd (or, with `--fwd`, its forward) goes on the GPU: runs the
-jitted training step (as bench.py times it) under the JAX profiler and sums the device time of each kernel by name, per step.
+jitted training step (or forward) as bench.py times it under the JAX profiler and sums the device
+time of each kernel by name, per step.
 
     python benchmarks/profile_op.py --op gated_delta_rule --shape 4x4096x16x128 --impl fla_jax:tilelang
 
