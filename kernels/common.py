@@ -66,13 +66,24 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
     (v_new) is published by warpgroup 0 too, so `s_free` is signalled after the last GEMM reads
     it, not after the state's. `pub_i`: how many states were published into `h_s` before this
     one (`i` where one warpgroup takes every chunk)."""
-    BT, BV = (int(d) for d in o_s.shape)
+    BT = int(o_s.shape[0])
     T.barrier_wait(full[slot], (i // stages) % 2)
     T.clear(acc_s)
     T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
     for r, c in T.Parallel(BT, BT):
         acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
     T.copy(acc_s, p_s)
+    output_from_p(q_s, g_s, h_s, values, p_s, acc_o, o_s, o, free, s_ready, s_free, slot, t0, head, iv, scale, values_published,
+                  pub_i)
+
+
+@T.macro
+def output_from_p(q_s, g_s, h_s, values, p_s, acc_o, o_s, o, free, s_ready, s_free, slot, t0, head, iv, scale, values_published,
+                  pub_i):
+    """`output_chunk` once `P` is in `p_s`: `o = scale (q * exp(G)) S + P values` from the state
+    published in `h_s` (waited for on `s_ready`), stage `slot` freed, `o` stored (the output
+    warpgroup of a pass whose P another warpgroup forms calls it alone)."""
+    BT, BV = (int(d) for d in o_s.shape)
     T.barrier_wait(s_ready[0], pub_i % 2)
     T.clear(acc_o)
     T.gemm(q_s[slot, :, :], h_s, acc_o)

@@ -22,6 +22,7 @@ from kernels.common import (
     chunk_output_and_update,
     delta_loads,
     output_chunk,
+    output_from_p,
     stage_loads,
 )
 
@@ -387,20 +388,9 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         t0 = (c0 + i) * BT
                         T.barrier_wait(p_ready[slot], (i // stages) % 2)
                         for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
-                            if i % 2 == j:
-                                T.barrier_wait(s_ready[0], (i // 2) % 2)
-                                T.clear(acc_o)
-                                T.gemm(q_s[slot, :, :], h_s, acc_o)
-                                for r, c in T.Parallel(BT, BV):
-                                    acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
-                                if slot == 0:
-                                    T.gemm(p_s, vn_s, acc_o)
-                                else:
-                                    T.gemm(p_s1, vn_s, acc_o)
-                                T.barrier_arrive(s_free[0])
-                        T.barrier_arrive(free[slot])
-                        T.copy(acc_o, o_s)
-                        T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+                            if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
+                                output_from_p(q_s, g_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready, s_free, slot, t0,
+                                              ihv, iv, scale, True, i // 2)
             else:
                 with T.ws(1):
                     T.set_max_nreg(232, 1)
