@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Nothing is owed now: as it stands it re-checks the fourteenth session's
-# final build (run 2026-12-04 02:41 UTC, 121 s, RESULTS.md): the delta rules' forward from T0 in four
-# warpgroups (`chunk_delta_fwd_t(prep=True)`, dispatched at K <= 128) and simple GLA's forward with
-# three load stages at K = 128 (as at 64). Two halves:
+# session for what is owed). Owed now (fifteenth session, 2026-12-04): the delta rules' forward from
+# T0 with warpgroup 0 carrying S^T (`fused_t`, dispatched at K <= 128) in two load stages against
+# three (`x_fused_t_s3`) and against the one carrying S (`x_fused_t_prep`). Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
 #   run(command="OUT=$OUT bash benchmarks/pending_call.sh", carry=[".whl", "fla_jax/_ext.abi3.so", ".prof"])
 #
 # On the H200: the ops' GPU tests against float64 (NaN-poisoned, every op; the delta rules in their
-# three backward modes and the forward from T0) and the experiments of the changed programs against
-# the dispatched ones, then those programs timed beside the ones they replaced
-# (benchmarks/ncu_program.py, ten launches a sample, in turn). BENCH=1 adds the ops beside jla
-# (mosaic_gpu; jla compiles slowly: two ops at four shapes overran 240 s). About 2 minutes without.
+# three backward modes and the forward from T0), the WY inverse against float64 and the experiments
+# of the changed programs against the dispatched ones, then those programs timed beside the ones
+# they would replace (benchmarks/ncu_program.py, ten launches a sample, in turn). BENCH=1 adds the
+# ops beside jla (mosaic_gpu; jla compiles slowly: two ops at four shapes overran 240 s).
 set -u
 g=build/gen
-progs=(fla_delta_fwd_bf16_k128_v128_c64_{fused_t,x_fused_t_3wg} fla_simple_gla_fwd_bf16_k128_v128_c64_{fused,x_fused_2out_s2})
+d=fla_delta_fwd_bf16
+progs=(${d}_k128_v128_c64_{fused_t,x_fused_t_s3,x_fused_t_prep})
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
   for t in "${progs[@]}"; do cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ || exit 1; done
@@ -26,13 +26,25 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-matches_float64 or forward_from_the_inverse or x_fused_t or x_fused_2out_s2}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-matches_float64 or forward_from_the_inverse or x_fused_t or x_wy or wy_inverse}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
 for s in 4x4096x16x128 2x8192x16x128; do
   timeout 100 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --inner 10 --rounds 5 --reps 6 "${progs[@]}" 2>&1 | grep -v "^#"
 done | tee "$O/times.txt"
 echo "t=${SECONDS}"
+if [ -n "${NCU:-}" ]; then  # Nsight Compute of the named programs at 4,4096,16,128: stall summaries
+  mkdir -p /tmp/ncu
+  for t in $NCU; do
+    timeout 90 ncu --clock-control none --set full -k main_kernel -c 1 -f -o /tmp/ncu/$t \
+      python3 benchmarks/ncu_program.py --gen .prof/gen --reps 1 --shape 4x4096x16x128 $t > /tmp/ncu/$t.log 2>&1
+    ncu -i /tmp/ncu/$t.ncu-rep --page source --csv --print-source sass > /tmp/ncu/$t.csv 2>/dev/null
+    ncu -i /tmp/ncu/$t.ncu-rep --page details --csv > /tmp/ncu/$t.details.csv 2>/dev/null
+    python3 benchmarks/ncu_program.py --stalls /tmp/ncu/$t.csv > "$O/stalls_$t.txt" 2>&1; head -12 "$O/stalls_$t.txt"
+  done
+  tar czf "$O/ncu.tgz" -C /tmp ncu
+  echo "t=${SECONDS}"
+fi
 if [ -n "${BENCH:-}" ]; then
   timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes issue --impls fla_jax:tilelang,jla:mosaic_gpu \
     --json "$O/bench.json" 2>&1 | grep -E "^\|" > "$O/bench.txt"

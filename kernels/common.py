@@ -79,19 +79,20 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
 
 @T.macro
 def output_from_p(q_s, g_s, h_s, values, p_s, acc_o, o_s, o, free, s_ready, s_free, slot, t0, head, iv, scale, values_published,
-                  pub_i):
+                  pub_i, transposed=False):
     """`output_chunk` once `P` is in `p_s`: `o = scale (q * exp(G)) S + P values` from the state
     published in `h_s` (waited for on `s_ready`), stage `slot` freed, `o` stored (the output
-    warpgroup of a pass whose P another warpgroup forms calls it alone)."""
+    warpgroup of a pass whose P another warpgroup forms calls it alone). `transposed`: `h_s` and
+    `values` hold `S^T [BV, K]` and `values^T [BV, BT]`."""
     BT, BV = (int(d) for d in o_s.shape)
     T.barrier_wait(s_ready[0], pub_i % 2)
     T.clear(acc_o)
-    T.gemm(q_s[slot, :, :], h_s, acc_o)
+    T.gemm(q_s[slot, :, :], h_s, acc_o, transpose_B=transposed)
     if not values_published:
         T.barrier_arrive(s_free[0])
     for r, c in T.Parallel(BT, BV):
         acc_o[r, c] = acc_o[r, c] * T.exp(g_s[slot, r]) * scale
-    T.gemm(p_s, values, acc_o)
+    T.gemm(p_s, values, acc_o, transpose_B=transposed)
     if values_published:
         T.barrier_arrive(s_free[0])
     T.barrier_arrive(free[slot])

@@ -96,15 +96,16 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # the forward with no gradient under DELTA_FWD_INVERSE: the gate-free inverse alone, then a state
         # pass that forms v_new from it with no w and u (jla's fused_fwd_wy)
         Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t",), config=(("inverse_only", True),)),
-        # (Tried, 2026-12-03 on an H200, bf16, not kept: warpgroup 0 carrying S^T as jla does, so that W and
-        # the decayed v_new enter the GEMMs from registers and only S goes through shared memory: 0.255 /
-        # 0.413 / 0.400 / 0.149 ms against 0.255 / 0.409 / 0.418 / 0.147 at the four issue shapes.)
         # with a fourth warpgroup forming the decay matrix, Ag and P (`prep`) at K <= 128: 0.175 / 0.345 ms
         # against 0.193 / 0.385 in three warpgroups at 4,4096,16,128 / 2,8192,16,128 (bf16, H200,
         # 2026-12-04, ten launches a sample, interleaved), the same bits; at K = 256 the state's registers
-        # leave no room for it
-        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), config=(("prep", True),),
-                dims=(64, 128)),
+        # leave no room for it. Warpgroup 0 carrying S^T (`transposed`: its three GEMMs' left operands
+        # from registers, nothing on the chain waiting for a tile it wrote): 0.164 / 0.276 / 0.0857 ms
+        # against 0.177 / 0.340 / 0.0873 with S (`x_fused_t_prep`) at those shapes and 8,2048,16,64, the
+        # same bits (2026-12-04). (With three warpgroups, 2026-12-03, S^T gained nothing: the output
+        # warpgroup bounded that pass.)
+        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
+                config=(("prep", True), ("transposed", True)), dims=(64, 128)),
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), dims=(256,)),
     ),
     ("delta", "bwd"): (
@@ -225,6 +226,12 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_t_3wg", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
         Program(name="x_fused_t_kd", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("decay_k", True))),
+        # warpgroup 0 carrying S^T with three load stages (three P tiles; 231 KB of shared memory)
+        Program(name="x_fused_t_s3", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
+                config=(("prep", True), ("transposed", True), ("stages", 3))),
+        # warpgroup 0 carrying S, not S^T (dispatched before)
+        Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
+                config=(("prep", True),)),
     ),
     # the one-pass forward in one warpgroup (the default before the warp-specialized one); the three-warpgroup
     # pass with V blocks of 128, 3 and 4 stages. (Tried and not kept, 2026-12-03 on an H200: V blocks of 32,

@@ -217,7 +217,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
 
 
 def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
-                      prep: bool = False, decay_k: bool = False):
+                      prep: bool = False, decay_k: bool = False, transposed: bool = False):
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
@@ -250,15 +250,33 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     tile per stage) before signalling `ag_ready`, and warpgroup 0 updates the state from the
     published v_new, `S <- exp(G_C) S + kd^T v_new`, instead of decaying v_new itself (the decay,
     its rounding and its store took 30 % of warpgroup 0's stall samples). The same as fla's
-    `k exp(G_C - G)` update; the product is rounded where the other rounds `v_new exp(G_C - G)`."""
+    `k exp(G_C - G)` update; the product is rounded where the other rounds `v_new exp(G_C - G)`.
+
+    `transposed` (with `prep`): warpgroup 0 carries `S^T [BV, K]` as jla's `fused_fwd_wy` does, so
+    that all three of its GEMMs take their left operand from registers: `U^T = S^T k^T` (S^T in the
+    input dtype, the tile it also publishes), `v_new^T = W^T Ag^T` with
+    `W^T = v^T - U^T Diag(exp(G))`, `S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k`. Nothing
+    on the chain waits for a shared-memory tile it wrote; the published S^T and v_new^T enter the
+    output warpgroup's GEMMs transposed. (Tried with three warpgroups on 2026-12-03 it gained
+    nothing: the output warpgroup bounded that pass; with `prep` the chain does.) The same bits;
+    0.161 / 0.273 ms against 0.177 / 0.344 at 4,4096,16,128 / 2,8192,16,128 bf16 (H200,
+    2026-12-04). Nsight Compute then found warpgroup 0 waiting for its stage's loads 16 % of its
+    time (a stage is refilled only once the output warpgroup has formed that chunk's o).
+
+    `stages`: two, or three with `prep` (one P tile per stage; 231 KB of shared memory with
+    `transposed`, which frees W's and the decayed v_new's tiles)."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     stages = stages or (2 if K <= 128 else 1)
     nwg = 4 if prep else 3
-    if prep and stages != 2:
-        raise ValueError("chunk_delta_fwd_t(prep=True) keeps one P tile per stage of two")
+    if prep and stages not in (2, 3):
+        raise ValueError("chunk_delta_fwd_t(prep=True) keeps one P tile per stage: two or three stages")
     if decay_k and not prep:
         raise ValueError("chunk_delta_fwd_t(decay_k=True) needs prep=True")
+    if transposed and (decay_k or not prep):
+        raise ValueError("chunk_delta_fwd_t(transposed=True) needs prep=True and not decay_k")
+    st = (BV, K) if transposed else (K, BV)  # the state's tiles: S^T or S
+    vt = (BV, BT) if transposed else (BT, BV)  # v_new's
 
     @T.prim_func
     def main(
@@ -285,17 +303,28 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 1, or 2 with prep)
             g_s = T.alloc_shared((stages, BT), acc)
             b_s = T.alloc_shared((stages, BT), acc)
-            h_s0 = T.alloc_shared((K, BV), dtype)
-            h_s1 = T.alloc_shared((K, BV), dtype)
-            vn_s0 = T.alloc_shared((BT, BV), dtype)
-            vn_s1 = T.alloc_shared((BT, BV), dtype)
-            w_s = T.alloc_shared((BT, BV), dtype)
-            vd_s = T.alloc_shared((BT, BV), dtype)
+            h_s0 = T.alloc_shared(st, dtype)
+            h_s1 = T.alloc_shared(st, dtype)
+            vn_s0 = T.alloc_shared(vt, dtype)
+            vn_s1 = T.alloc_shared(vt, dtype)
+            if transposed:  # S^T and W^T / the decayed v_new^T as GEMM operands in registers
+                s_lo = T.alloc_fragment((BV, K), dtype)
+                x_t = T.alloc_fragment((BV, BT), dtype)
+            else:
+                w_s = T.alloc_shared((BT, BV), dtype)
+                vd_s = T.alloc_shared((BT, BV), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
             p_s1 = T.alloc_shared((BT, BT), dtype)  # with prep: stage 1's P (stage 0's in p_s)
+            # with prep and three stages, stage 2's (one 2D tile per stage: written to a staged buffer,
+            # P lost its stmatrix stores and TileLang synced the whole block between the warpgroups)
+            if prep and stages == 3:
+                p_s2 = T.alloc_shared((BT, BT), dtype)
+                p_tiles = (p_s, p_s1, p_s2)
+            else:
+                p_tiles = (p_s, p_s1)
             o_s = T.alloc_shared((BT, BV), dtype)
-            b_h = T.alloc_fragment((K, BV), acc)
-            acc_v = T.alloc_fragment((BT, BV), acc)
+            b_h = T.alloc_fragment(st, acc)
+            acc_v = T.alloc_fragment(vt, acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
             if prep:
@@ -340,15 +369,18 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
                         for r, c in T.Parallel(BT, BT):
                             acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale
-                        if slot == 0:
-                            T.copy(acc_s, p_s)
-                        else:
-                            T.copy(acc_s, p_s1)
+                        for sl in (0, 1, 2)[: len(p_tiles)]:  # the stage's own P tile (no name binds a tile: see stage_loads)
+                            if slot == sl:
+                                T.copy(acc_s, p_tiles[sl])
                         T.fence_proxy_async()
                         T.barrier_arrive(p_ready[slot])
             with T.ws(0):
                 T.set_max_nreg(200 if prep else 232, 1)
-                T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                if transposed:
+                    for r, c in T.Parallel(BV, K):
+                        b_h[r, c] = h0[n, ihv, c, iv * BV + r]
+                else:
+                    T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
@@ -356,15 +388,26 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         if i % 2 == j:
                             if i >= 2:  # warpgroup 1 has read this buffer's tiles of chunk i - 2
                                 T.barrier_wait(s_free[0], (i // 2 + 1) % 2)
-                            T.copy(b_h, h_s)
-                            T.clear(acc_v)
-                            T.gemm(k_s[slot, :, :], h_s, acc_v)
-                            for r, c in T.Parallel(BT, BV):
-                                acc_v[r, c] = T.cast(v_s[slot, r, c], acc) - acc_v[r, c] * T.exp(g_s[slot, r])
-                            T.copy(acc_v, w_s)
+                            if transposed:  # W^T = v^T - (S^T k^T) Diag(exp(G)), in registers
+                                T.copy(b_h, s_lo)
+                                T.copy(s_lo, h_s)
+                                T.clear(acc_v)
+                                T.gemm(s_lo, k_s[slot, :, :], acc_v, transpose_B=True)
+                                for r, c in T.Parallel(BV, BT):
+                                    x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * T.exp(g_s[slot, c]), dtype)
+                            else:  # W = v - exp(G) (k S), through shared memory
+                                T.copy(b_h, h_s)
+                                T.clear(acc_v)
+                                T.gemm(k_s[slot, :, :], h_s, acc_v)
+                                for r, c in T.Parallel(BT, BV):
+                                    acc_v[r, c] = T.cast(v_s[slot, r, c], acc) - acc_v[r, c] * T.exp(g_s[slot, r])
+                                T.copy(acc_v, w_s)
                             T.barrier_wait(ag_ready[slot], (i // stages) % 2)
                             T.clear(acc_v)
-                            T.gemm(t_s[slot, :, :], w_s, acc_v)
+                            if transposed:  # v_new^T = W^T Ag^T
+                                T.gemm(x_t, t_s[slot, :, :], acc_v, transpose_B=True)
+                            else:
+                                T.gemm(t_s[slot, :, :], w_s, acc_v)
                             T.copy(acc_v, vn_s)
                             T.fence_proxy_async()
                             T.barrier_arrive(s_ready[0])
@@ -372,14 +415,24 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 for r, c in T.Parallel(K, BV):
                                     b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
                                 T.gemm(kd_s[slot, :, :], vn_s, b_h, transpose_A=True)
-                    if not decay_k:
+                    if transposed:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
+                        for r, c in T.Parallel(BV, BT):
+                            x_t[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, c]), dtype)
+                        for r, c in T.Parallel(BV, K):
+                            b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                        T.gemm(x_t, k_s[slot, :, :], b_h)
+                    elif not decay_k:
                         for r, c in T.Parallel(BT, BV):
                             vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
                         for r, c in T.Parallel(K, BV):
                             b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
                         T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
                     T.barrier_arrive(free[slot])
-                T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+                if transposed:
+                    for r, c in T.Parallel(BV, K):
+                        ht[n, ihv, c, iv * BV + r] = b_h[r, c]
+                else:
+                    T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
             if prep:
                 with T.ws(1):
                     T.set_max_nreg(136, 1)
@@ -388,9 +441,15 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         t0 = (c0 + i) * BT
                         T.barrier_wait(p_ready[slot], (i // stages) % 2)
                         for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
-                            if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
-                                output_from_p(q_s, g_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready, s_free, slot, t0,
-                                              ihv, iv, scale, True, i // 2)
+                            if stages == 2:
+                                if i % 2 == j:  # chunk i's P is in stage j's tile
+                                    output_from_p(q_s, g_s, h_s, vn_s, p_tiles[j], acc_o, o_s, o, free, s_ready, s_free, slot, t0,
+                                                  ihv, iv, scale, True, i // 2, transposed)
+                            else:
+                                for sl in (0, 1, 2):  # buffer i % 2, chunk i's P in its stage's tile
+                                    if T.And(i % 2 == j, slot == sl):
+                                        output_from_p(q_s, g_s, h_s, vn_s, p_tiles[sl], acc_o, o_s, o, free, s_ready, s_free, slot,
+                                                      t0, ihv, iv, scale, True, i // 2, transposed)
             else:
                 with T.ws(1):
                     T.set_max_nreg(232, 1)
