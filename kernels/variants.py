@@ -226,7 +226,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_t_3wg", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
         Program(name="x_fused_t_kd", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("decay_k", True))),
-        # warpgroup 0 carrying S^T with three load stages (three P tiles; 231 KB of shared memory)
+        # (Tried, not kept: warpgroup 0 reading its v^T into registers before its first GEMM, so that the
+        # transposed two-byte loads overlap the GEMM: 0.165 / 0.289 ms against 0.159 / 0.270, 2026-12-04.)
+        # warpgroup 0 carrying S^T with three load stages (three P tiles; 231 KB of shared memory): no faster
         Program(name="x_fused_t_s3", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("transposed", True), ("stages", 3))),
         # warpgroup 0 carrying S, not S^T (dispatched before)
