@@ -55,8 +55,9 @@ DELTA_WY_BWD_KERNEL = True
 # forms v_new = Ag (v - exp(G) k S) on chip, instead of the WY kernel's w and u (jla's forward).
 # GDN op forward 0.381 / 0.574 / 0.505 / 0.238 ms against 0.430 / 0.559 / 0.655 / 0.261 through w
 # and u at 4,4096,16,128 / 2,8192,16,128 / 4,4096,8,256 / 8,2048,16,64 bf16 (H200, 2026-12-03;
-# kernels inv + fused_t 0.108 + 0.221 against wy + fused 0.191 + 0.192 at the first). Tests run
-# both settings.
+# kernels inv + fused_t 0.108 + 0.221 against wy + fused 0.191 + 0.192 at the first); since
+# 2026-12-04 (fused_t carrying S^T, inv's loads 16 bytes wide) 0.328 / 0.446 / 0.495 / 0.214, kernels
+# inv + fused_t 0.078 + 0.159 at the first (ten launches a sample). Tests run both settings.
 DELTA_FWD_INVERSE = True
 
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
