@@ -2,8 +2,8 @@
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
 # session for what is owed). Nothing is owed now: as it stands it re-checks the fifteenth session's
 # final build (2026-12-04, RESULTS.md): the delta rules' forward from T0 with warpgroup 0 carrying
-# S^T (`fused_t`, dispatched at K <= 128) against three load stages (`x_fused_t_s3`) and the one
-# carrying S (`x_fused_t_prep`), and the gate-free inverse `inv` (16-byte loads in its block rows).
+# S^T (`fused_t`, dispatched at K <= 128) against the one carrying S (`x_fused_t_prep`), and the
+# gate-free inverse `inv` (16-byte loads in its block rows).
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -17,7 +17,7 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(${d}_k128_v128_c64_{fused_t,x_fused_t_s3,x_fused_t_prep,inv})
+progs=(${d}_k128_v128_c64_{fused_t,x_fused_t_prep,inv})
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
   for t in "${progs[@]}"; do cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ || exit 1; done

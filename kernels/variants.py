@@ -228,10 +228,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("prep", True), ("decay_k", True))),
         # (Tried, not kept: warpgroup 0 reading its v^T into registers before its first GEMM, so that the
         # transposed two-byte loads overlap the GEMM: 0.165 / 0.289 ms against 0.159 / 0.270; the fourth
-        # warpgroup forming exp(G) and exp(G_C - G) for it, 0.159 / 0.283 against 0.160 / 0.269, 2026-12-04.)
-        # warpgroup 0 carrying S^T with three load stages (three P tiles; 231 KB of shared memory): no faster
-        Program(name="x_fused_t_s3", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("transposed", True), ("stages", 3))),
+        # warpgroup forming exp(G) and exp(G_C - G) for it, 0.159 / 0.283 against 0.160 / 0.269; three load
+        # stages, one P tile each, 0.160 / 0.274 against 0.1595 / 0.265, 2026-12-04.)
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True),)),

@@ -215,9 +215,6 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, k, w, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
-    if (op, name) == ("delta", "inv"):  # the gate-free inverse T0 alone; k unit rows
-        k, beta = unit(x(L, H, D)), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
-        return (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype),), (k, beta), {}
     if op == "delta" and name in ("wy", "wy_t"):
         k = unit(x(L, H, D))
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)

@@ -261,16 +261,15 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     nothing: the output warpgroup bounded that pass; with `prep` the chain does.) The same bits;
     0.161 / 0.273 ms against 0.177 / 0.344 at 4,4096,16,128 / 2,8192,16,128 bf16 (H200,
     2026-12-04). Nsight Compute then found warpgroup 0 waiting for its stage's loads 16 % of its
-    time (a stage is refilled only once the output warpgroup has formed that chunk's o).
-
-    `stages`: two, or three with `prep` (one P tile per stage; 231 KB of shared memory with
-    `transposed`, which frees W's and the decayed v_new's tiles)."""
+    time (a stage is refilled only once the output warpgroup has formed that chunk's o); three
+    stages (one P tile per stage, 231 KB: `transposed` frees W's and the decayed v_new's tiles)
+    measured no faster, 0.160 / 0.274 against 0.1595 / 0.265 ms (2026-12-04), and were dropped."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     stages = stages or (2 if K <= 128 else 1)
     nwg = 4 if prep else 3
-    if prep and stages not in (2, 3):
-        raise ValueError("chunk_delta_fwd_t(prep=True) keeps one P tile per stage: two or three stages")
+    if prep and stages != 2:
+        raise ValueError("chunk_delta_fwd_t(prep=True) keeps one P tile per stage of two")
     if decay_k and not prep:
         raise ValueError("chunk_delta_fwd_t(decay_k=True) needs prep=True")
     if transposed and (decay_k or not prep):
@@ -315,13 +314,6 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                 vd_s = T.alloc_shared((BT, BV), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
             p_s1 = T.alloc_shared((BT, BT), dtype)  # with prep: stage 1's P (stage 0's in p_s)
-            # with prep and three stages, stage 2's (one 2D tile per stage: written to a staged buffer,
-            # P lost its stmatrix stores and TileLang synced the whole block between the warpgroups)
-            if prep and stages == 3:
-                p_s2 = T.alloc_shared((BT, BT), dtype)
-                p_tiles = (p_s, p_s1, p_s2)
-            else:
-                p_tiles = (p_s, p_s1)
             o_s = T.alloc_shared((BT, BV), dtype)
             b_h = T.alloc_fragment(st, acc)
             acc_v = T.alloc_fragment(vt, acc)
@@ -369,9 +361,10 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
                         for r, c in T.Parallel(BT, BT):
                             acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale
-                        for sl in (0, 1, 2)[: len(p_tiles)]:  # the stage's own P tile (no name binds a tile: see stage_loads)
-                            if slot == sl:
-                                T.copy(acc_s, p_tiles[sl])
+                        if slot == 0:
+                            T.copy(acc_s, p_s)
+                        else:
+                            T.copy(acc_s, p_s1)
                         T.fence_proxy_async()
                         T.barrier_arrive(p_ready[slot])
             with T.ws(0):
@@ -441,15 +434,9 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         t0 = (c0 + i) * BT
                         T.barrier_wait(p_ready[slot], (i // stages) % 2)
                         for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
-                            if stages == 2:
-                                if i % 2 == j:  # chunk i's P is in stage j's tile
-                                    output_from_p(q_s, g_s, h_s, vn_s, p_tiles[j], acc_o, o_s, o, free, s_ready, s_free, slot, t0,
-                                                  ihv, iv, scale, True, i // 2, transposed)
-                            else:
-                                for sl in (0, 1, 2):  # buffer i % 2, chunk i's P in its stage's tile
-                                    if T.And(i % 2 == j, slot == sl):
-                                        output_from_p(q_s, g_s, h_s, vn_s, p_tiles[sl], acc_o, o_s, o, free, s_ready, s_free, slot,
-                                                      t0, ihv, iv, scale, True, i // 2, transposed)
+                            if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
+                                output_from_p(q_s, g_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready, s_free, slot, t0,
+                                              ihv, iv, scale, True, i // 2, transposed)
             else:
                 with T.ws(1):
                     T.set_max_nreg(232, 1)
