@@ -194,7 +194,7 @@ def main(argv=None):
     if args.delta_xla_vjps:
         tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = False
     if args.delta_fwd_wy:
-        tilelang_backend.DELTA_FWD_INVERSE = False
+        tilelang_backend.DELTA_FWD_INVERSE = ()
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     impls = args.impls.split(",")

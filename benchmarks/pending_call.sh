@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Nothing is owed now: as it stands it re-checks the fifteenth session's
-# final build (2026-12-04, RESULTS.md): the delta rules' forward from T0 with warpgroup 0 carrying
-# S^T (`fused_t`, dispatched at K <= 128) against the one carrying S (`x_fused_t_prep`), and the
-# gate-free inverse `inv` (16-byte loads in its block rows).
+# session for what is owed). Owed (sixteenth session, 2026-12-04): the delta rules at K = 256 --
+# the state pass `chunk_delta_fwd` with two stages of k, u and G and one buffer each of q and w
+# (`single_qw`; `x_fused_s1` / `x_fused_h_s1` the one-stage pass dispatched before), and the WY
+# kernel's blocked inverse at 256 threads (`x_wy_rows` / `x_wy_t_rows` row by row, as before);
+# beside them the forward from T0 (`inv`, `fused_t`) that the forward with no gradient takes, and
+# the K = 256 backward's three programs (where the rest of its time goes).
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -17,7 +19,8 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(${d}_k128_v128_c64_{fused_t,x_fused_t_prep,inv})
+progs=(${d}_k256_v256_c64_{fused,x_fused_s1,fused_h,x_fused_h_s1,wy,x_wy_rows,wy_t,x_wy_t_rows,inv,fused_t}
+       fla_delta_bwd_bf16_k256_v256_c64_{dh,dqkvg,wy_bwd})
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
   for t in "${progs[@]}"; do cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ || exit 1; done
@@ -28,10 +31,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-matches_float64 or forward_from_the_inverse or x_fused_t or x_wy or wy_inverse}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-matches_float64 or forward_from_the_inverse or x_fused or x_wy or wy_inverse}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
-for s in 4x4096x16x128 2x8192x16x128; do
+for s in ${SHAPES:-4x4096x8x256 2x8192x8x256}; do
   timeout 100 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --inner 10 --rounds 5 --reps 6 "${progs[@]}" 2>&1 | grep -v "^#"
 done | tee "$O/times.txt"
 echo "t=${SECONDS}"

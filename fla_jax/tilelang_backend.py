@@ -57,8 +57,12 @@ DELTA_WY_BWD_KERNEL = True
 # and u at 4,4096,16,128 / 2,8192,16,128 / 4,4096,8,256 / 8,2048,16,64 bf16 (H200, 2026-12-03;
 # kernels inv + fused_t 0.108 + 0.221 against wy + fused 0.191 + 0.192 at the first); since
 # 2026-12-04 (fused_t carrying S^T, inv's loads 16 bytes wide) 0.328 / 0.446 / 0.495 / 0.214, kernels
-# inv + fused_t 0.078 + 0.159 at the first (ten launches a sample). Tests run both settings.
-DELTA_FWD_INVERSE = True
+# inv + fused_t 0.078 + 0.159 at the first (ten launches a sample). The head dims it is taken at: at
+# K = 256, where `fused_t` keeps one load stage, the WY path is the faster since its state pass keeps
+# two (one buffer each of q and w): wy + fused 0.119 + 0.215 against inv + fused_t 0.052 + 0.359 ms
+# at 4,4096,8,256, 0.116 + 0.398 against 0.051 + 0.658 at 2,8192,8,256 (H200, 2026-12-04). Tests run
+# both paths at every K (all of `HEAD_DIMS`, and none).
+DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
 
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
@@ -282,7 +286,7 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     dt = qf.dtype
     NT = qf.shape[0] // C
     wy = ()
-    if p.delta and DELTA_FWD_INVERSE and not store_h:  # T0, and a state pass that forms v_new from it
+    if p.delta and K in DELTA_FWD_INVERSE and not store_h:  # T0, and a state pass that forms v_new from it
         targets = _targets(p, "fwd", K, V)
         t0 = _call(targets["inv"], jax.ShapeDtypeStruct((NT, HV, C, C), dt), kf, flat[4])
         o, ht = _call(targets["fused_t"], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, Gf, flat[4], h0, cstart, ccount,

@@ -58,36 +58,42 @@ def publish_state(b_h, s_s, s_ready, s_free, i, store_h, h, c0, head, iv):
 
 @T.macro
 def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages, t0, head,
-                 iv, scale, values_published, pub_i):
+                 iv, scale, values_published, pub_i, q_sync=None):
     """Warpgroup 1 of a warp-specialized scalar-gate forward state pass (simple GLA, the delta
     rules), at chunk `i` in stage `slot`: `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while
     warpgroup 0 works, then `o = scale (q * exp(G)) S + P values` from the state warpgroup 0
     published in `h_s`, into `o[t0 : t0 + BT, head, V block iv]`. `values_published`: `values`
     (v_new) is published by warpgroup 0 too, so `s_free` is signalled after the last GEMM reads
     it, not after the state's. `pub_i`: how many states were published into `h_s` before this
-    one (`i` where one warpgroup takes every chunk)."""
+    one (`i` where one warpgroup takes every chunk). `q_sync`: `(full, free, j)` where q has one
+    buffer of its own (`q_s[0]`, `stage_loads`' `singles`), waited for on `full[j]` and freed on
+    `free[j]` once read."""
     BT = int(o_s.shape[0])
     T.barrier_wait(full[slot], (i // stages) % 2)
+    if q_sync is not None:
+        T.barrier_wait(q_sync[0][q_sync[2]], i % 2)
     T.clear(acc_s)
-    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+    T.gemm(q_s[slot if q_sync is None else 0, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
     for r, c in T.Parallel(BT, BT):
         acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
     T.copy(acc_s, p_s)
     output_from_p(q_s, g_s, h_s, values, p_s, acc_o, o_s, o, free, s_ready, s_free, slot, t0, head, iv, scale, values_published,
-                  pub_i)
+                  pub_i, q_sync=q_sync)
 
 
 @T.macro
 def output_from_p(q_s, g_s, h_s, values, p_s, acc_o, o_s, o, free, s_ready, s_free, slot, t0, head, iv, scale, values_published,
-                  pub_i, transposed=False):
+                  pub_i, transposed=False, q_sync=None):
     """`output_chunk` once `P` is in `p_s`: `o = scale (q * exp(G)) S + P values` from the state
     published in `h_s` (waited for on `s_ready`), stage `slot` freed, `o` stored (the output
     warpgroup of a pass whose P another warpgroup forms calls it alone). `transposed`: `h_s` and
-    `values` hold `S^T [BV, K]` and `values^T [BV, BT]`."""
+    `values` hold `S^T [BV, K]` and `values^T [BV, BT]`. `q_sync` as for `output_chunk`."""
     BT, BV = (int(d) for d in o_s.shape)
     T.barrier_wait(s_ready[0], pub_i % 2)
     T.clear(acc_o)
-    T.gemm(q_s[slot, :, :], h_s, acc_o, transpose_B=transposed)
+    T.gemm(q_s[slot if q_sync is None else 0, :, :], h_s, acc_o, transpose_B=transposed)
+    if q_sync is not None:
+        T.barrier_arrive(q_sync[1][q_sync[2]])
     if not values_published:
         T.barrier_arrive(s_free[0])
     for r, c in T.Parallel(BT, BV):
@@ -106,12 +112,15 @@ def _stage(buf, slot):
 
 
 @T.macro
-def stage_loads(loads, full, free, nc, stages, c_first, step):
+def stage_loads(loads, full, free, nc, stages, c_first, step, singles=(), one_full=None, one_free=None):
     """The loading warpgroup of the warp-specialized passes: for its i-th chunk
     `c = c_first + step i` (`step` 1 forward, -1 in reverse), once its users freed stage
     `i % stages` (on `free`), each `(source, buffer, tma)` of `loads` in order: `source(c)` (a region of chunk
     c) into that stage of `buffer`, by TMA on `full` or, where `tma` is False, by each thread
-    (the scalar gates); then the warpgroup's own arrival on `full`."""
+    (the scalar gates); then the warpgroup's own arrival on `full`. Then each `(source, buffer)`
+    `j` of `singles`, a buffer of one slot (`buffer[0]`) with barriers of its own: once its user
+    freed it on `one_free[j]`, by TMA on `one_full[j]` (where the stages of every tile would not
+    fit in shared memory)."""
     T.set_max_nreg(40, 0)
     for i in T.serial(nc):
         slot = i % stages
@@ -124,6 +133,11 @@ def stage_loads(loads, full, free, nc, stages, c_first, step):
             else:
                 T.copy(load[0](c), _stage(load[1], slot), disable_tma=True)
         T.barrier_arrive(full[slot])
+        for j, single in enumerate(singles):
+            if i >= 1:
+                T.barrier_wait(one_free[j], (i + 1) % 2)
+            T.tma_copy(single[0](c), _stage(single[1], 0), barrier=one_full[j])
+            T.barrier_arrive(one_full[j])
 
 
 def delta_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, ih, ihv, iv):

@@ -234,6 +234,17 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True),)),
     ),
+    # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
+    # default before 2026-12-04)
+    ("delta", "fwd", "bf16", 256): (
+        Program(name="x_fused_s1", of="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"),
+                config=(("single_qw", False),)),
+        Program(name="x_fused_h_s1", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
+                config=(("store_h", True), ("single_qw", False))),
+        Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),
+        Program(name="x_wy_t_rows", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
+                config=(("store_t", True), ("blocked", False))),
+    ),
     # the one-pass forward in one warpgroup (the default before the warp-specialized one); the three-warpgroup
     # pass with V blocks of 128, 3 and 4 stages. (Tried and not kept, 2026-12-03 on an H200: V blocks of 32,
     # two programs per SM, 0.221 against 0.139 ms at 4,4096,16,128 but 0.198 against 0.266 at 2,8192,16,128

@@ -157,7 +157,7 @@ def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     errs = {}
     for inverse in (True, False):
-        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", inverse)
+        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", variants.HEAD_DIMS if inverse else ())
         o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
         errs |= {f"o{'' if inverse else '_wy'}": err_ratio(ref_o, o), f"ht{'' if inverse else '_wy'}": err_ratio(ref_ht, ht)}
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
@@ -624,7 +624,7 @@ def _gdn_custom_calls(K: int, allowed, *, l2norm: bool):
 
 @pytest.mark.parametrize("K", [64, 128, 256])
 def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
-    """With DELTA_FWD_INVERSE (the default) the forward with no gradient lowers for CUDA to the
+    """With DELTA_FWD_INVERSE (by default at K <= 128) the forward with no gradient lowers for CUDA to the
     inverse and the state pass that reads it, without it to the WY kernel and the state pass on w
     and u; under a gradient the forward is the WY kernel's either way (the backward reads its w,
     u and T)."""
@@ -632,7 +632,7 @@ def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
     names = [f"fla_delta_fwd_bf16_k{K}_v{K}_c64_{n}" for n in ("inv", "fused_t", "wy", "fused", "wy_t", "fused_h")]
     built = [vr.target(prog) for d in ("fwd", "bwd") for vr in [variants.find("delta", d, "bfloat16", K, K)] for prog in vr.programs]
     for inverse, want in ((True, names[:2]), (False, names[2:4])):
-        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", inverse)
+        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", variants.HEAD_DIMS if inverse else ())
         fwd, both = _gdn_custom_calls(K, built, l2norm=False)
         assert fwd == want
         assert [c for c in both if c.startswith("fla_delta_fwd")] == names[4:]
@@ -651,7 +651,7 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     # under a gradient q and k are normalised by a kernel each (XLA's pass without one), and so
     # their gradients
-    programs = [("fwd", "inv"), ("fwd", "fused_t")]
+    programs = [("fwd", "inv"), ("fwd", "fused_t")] if K in tilelang_backend.DELTA_FWD_INVERSE else [("fwd", "wy"), ("fwd", "fused")]
     programs += [("fwd", "norm")] * 2 + [("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
     programs += [("bwd", "dqkvg")] * fused + [("bwd", "wy_bwd")] * wy_kernel + [("bwd", "norm_bwd")] * 2
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]

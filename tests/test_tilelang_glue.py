@@ -12,7 +12,7 @@ from check import err_ratio, reference_grads
 import kernel_emulator
 from fla_jax import _backends, tilelang_backend, xla
 from fla_jax._problem import Problem
-from kernels.variants import VARIANTS
+from kernels.variants import HEAD_DIMS, VARIANTS
 
 CASES = [
     Case("simple_gla", 2, 100, 2, 64, 64, dtype="bfloat16", h0=True),
@@ -96,7 +96,7 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
     for on, programs in ((True, ["inv", "fused_t"]), (False, ["wy", "fused"])):
-        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", on)
+        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", HEAD_DIMS if on else ())
         calls.clear()
         o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
         assert calls == programs

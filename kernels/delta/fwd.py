@@ -129,7 +129,7 @@ def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 6
 
 
 def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
-                    store_h: bool = False):
+                    store_h: bool = False, single_qw: bool | None = None):
     """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * value head) program.
 
@@ -140,10 +140,18 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
       `store_h`, by TMA stores that run while it works), then
       `S <- exp(G_C) S + k^T (v_new * exp(G_C - G))`;
     * warpgroup 1 computes `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while warpgroup 0 works,
-      then `o = scale (q * exp(G)) S + P v_new` from the published tiles, and stores it."""
+      then `o = scale (q * exp(G)) S + P v_new` from the published tiles, and stores it.
+
+    `single_qw` (the default at K = 256): two stages of k, u and G, but one buffer each of q and w
+    with barriers of their own (`stage_loads`' `singles`): w is refilled once warpgroup 0's first
+    GEMM has read it, q once warpgroup 1's `q S` has; 208.5 KB of shared memory at K = 256, where
+    two stages of everything would take 272 KB and one stage left every load exposed."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
-    stages = stages or (2 if K <= 128 else 1)
+    if single_qw is None:
+        single_qw = K > 128
+    stages = stages or (2 if K <= 128 or single_qw else 1)
+    qw = 1 if single_qw else stages  # q's and w's buffers
 
     @T.macro
     def body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h):
@@ -151,9 +159,9 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             n = inh // HV
             ihv = inh % HV
             ih = ihv // (HV // H)
-            q_s = T.alloc_shared((stages, BT, K), dtype)
+            q_s = T.alloc_shared((qw, BT, K), dtype)
             k_s = T.alloc_shared((stages, BT, K), dtype)
-            w_s = T.alloc_shared((stages, BT, K), dtype)
+            w_s = T.alloc_shared((qw, BT, K), dtype)
             u_s = T.alloc_shared((stages, BT, BV), dtype)
             g_s = T.alloc_shared((stages, BT), acc)
             h_s = T.alloc_shared((K, BV), dtype)
@@ -171,8 +179,17 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             s_free = T.alloc_barrier([128])  # warpgroup 1 has read them
             c0 = cstart[n]
             nc = ccount[n]
-            with T.ws(2):
-                stage_loads(delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv), full, free, nc, stages, c0, 1)
+            loads = delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv)
+            if single_qw:  # w's and q's own buffers: landed (w, q), read by warpgroup 0 / 1
+                one_full = T.alloc_barrier([128, 128])
+                one_free = T.alloc_barrier([128, 128])
+                q_sync = (one_full, one_free, 1)
+                with T.ws(2):
+                    stage_loads((loads[1], *loads[3:]), full, free, nc, stages, c0, 1, (loads[2][:2], loads[0][:2]), one_full, one_free)
+            else:
+                q_sync = None
+                with T.ws(2):
+                    stage_loads(loads, full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
@@ -186,7 +203,12 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                         T.sync_threads(8, 128)
                     T.copy(b_h, h_s)
                     T.clear(acc_v)
-                    T.gemm(w_s[slot, :, :], h_s, acc_v)
+                    if single_qw:
+                        T.barrier_wait(one_full[0], i % 2)
+                        T.gemm(w_s[0, :, :], h_s, acc_v)
+                        T.barrier_arrive(one_free[0])
+                    else:
+                        T.gemm(w_s[slot, :, :], h_s, acc_v)
                     for r, c in T.Parallel(BT, BV):
                         acc_v[r, c] = T.cast(u_s[slot, r, c], acc) - acc_v[r, c]
                     T.copy(acc_v, vn_s)
@@ -210,7 +232,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                     slot = i % stages
                     t0 = (c0 + i) * BT
                     output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages,
-                                 t0, ihv, iv, scale, True, i)
+                                 t0, ihv, iv, scale, True, i, q_sync=q_sync)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)

@@ -78,13 +78,24 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     span = BT // parts
     NB = 16  # blocked: block size; one thread per (diagonal block, half of j, column)
     if blocked is None:
-        blocked = BT == 64 and threads == 128
+        blocked = BT == 64 and (threads == 128 or (threads == 256 and warp_diagonal))
     merged = merged and blocked
     if late_v is None:
         late_v = merged
     blocked = blocked and not merged
-    assert not blocked or (BT == 64 and threads == 128), "the blocked inverse is written for BT = 64, 128 threads"
+    assert not blocked or (BT == 64 and (threads == 128 or (threads == 256 and warp_diagonal))), \
+        "the blocked inverse is written for BT = 64, 128 threads (or 256 with warp_diagonal)"
     assert not merged or (BT == 64 and threads == 128), "the merged inverse is written for BT = 64, 128 threads"
+
+    @T.macro
+    def diagonal_columns(m_s, col, o, pp, cc):
+        for i in T.unroll(NB):
+            col[i] = T.if_then_else(i == cc, 1.0, 0.0)
+            for j in T.unroll(i):
+                col[i] -= m_s[o + i, o + j] * col[j]
+        for i in T.unroll(NB):
+            if T.And(pp == 0, cc < i):
+                m_s[o + i, o + cc] = col[i]
 
     @T.macro
     def invert_diagonal(m_s, s, bpart_s, col):
@@ -96,13 +107,11 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             # lane (pp, cc) forms column cc of the block's inverse in registers (both halves alike),
             # `T[i, cc] = [i = cc] - sum_{j < i} A[i, j] T[j, cc]`, every read of A a broadcast and
             # no barrier until the columns are written back (rows i > cc, by half pp = 0)
-            for i in T.unroll(NB):
-                col[i] = T.if_then_else(i == cc, 1.0, 0.0)
-                for j in T.unroll(i):
-                    col[i] -= m_s[o + i, o + j] * col[j]
-            for i in T.unroll(NB):
-                if T.And(pp == 0, cc < i):
-                    m_s[o + i, o + cc] = col[i]
+            if threads > BT // NB * 32:  # one warp per diagonal block; the other warps wait
+                if tx < BT // NB * 32:
+                    diagonal_columns(m_s, col, o, pp, cc)
+            else:
+                diagonal_columns(m_s, col, o, pp, cc)
             T.sync_threads()
         else:
             for i in T.serial(1, NB):
