@@ -21,6 +21,7 @@ g=build/gen
 d=fla_delta_fwd_bf16
 progs=(${d}_k256_v256_c64_{fused,x_fused_s1,fused_h,x_fused_h_s1,wy,x_wy_rows,wy_t,x_wy_t_rows,inv,fused_t}
        fla_delta_bwd_bf16_k256_v256_c64_{dh,dqkvg,wy_bwd})
+if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
   for t in "${progs[@]}"; do cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ || exit 1; done

@@ -291,6 +291,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
         Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0")),
+        # warpgroup 1 rescaling k and q in place element by element (dispatched before 2026-12-04)
+        Program(name="x_dh_prev", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0"),
+                config=(("row_factors", False),)),
         Program(name="x_wy_bwd_sync", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("tma_loads", False), ("tma_stores", False))),
         # dvb = T^T du formed once: 0.442 / 0.441 ms against 0.457 / 0.429 at 4,4096,16,128 / 2,8192,16,128

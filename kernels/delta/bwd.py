@@ -94,7 +94,7 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
     return main
 
 
-def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2):
+def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, row_factors: bool = True):
     """The reverse pass, warp-specialized as the forward's (`kernels/delta/fwd.py`): three
     warpgroups per (V block, sequence * value head) program, K <= 128 (at K = 256 two stages would
     not fit in shared memory: `chunk_delta_bwd_dh_1wg` there).
@@ -105,7 +105,14 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
       `scale q exp(G)`;
     * warpgroup 0 keeps dS (float32) in registers and runs the chain: it publishes dS (input
       dtype) and stores it as `dh` by TMA, forms `dv_new = A^T do + kd dS`, then
-      `dS <- exp(G_C) dS + qd^T do - w^T dv_new`."""
+      `dS <- exp(G_C) dS + qd^T do - w^T dv_new`.
+
+    Nsight Compute (H200, 4,4096,16,128, 2026-12-04) found warpgroup 1 the bound: it never waited
+    for a stage while warpgroup 0 waited for it in half of its stall samples. Its rescale took an
+    exponential per element and, in place, a barrier per unrolled step (TileLang's guard between
+    one step's stores and the next step's loads). `row_factors`: the factors `exp(G_C - G)` and
+    `exp(G)` once per row (into shared memory), k and q read whole into registers, rescaled there
+    and written back, so one barrier parts the loads from the stores; the same bits."""
     assert K <= 128, "K = 256: chunk_delta_bwd_dh_1wg"
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
@@ -134,6 +141,11 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
             do_s = T.alloc_shared((stages, BT, BV), dtype)
             g_s = T.alloc_shared((stages, BT), acc)
             adv_s = T.alloc_shared((stages, BT, BV), acc)
+            if row_factors:
+                fk_s = T.alloc_shared((BT,), acc)  # exp(G_C - G), exp(G) of the chunk's rows
+                fq_s = T.alloc_shared((BT,), acc)
+                k_r = T.alloc_fragment((BT, K), dtype)
+                q_r = T.alloc_fragment((BT, K), dtype)
             a_s = T.alloc_shared((BT, BT), dtype)
             dh_s = T.alloc_shared((K, BV), dtype)
             dv_s = T.alloc_shared((BT, BV), dtype)
@@ -158,9 +170,21 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                     for a, b in T.Parallel(BT, BT):
                         acc_a[a, b] = T.if_then_else(a >= b, acc_a[a, b] * T.exp(g_s[slot, a] - g_s[slot, b]) * scale, 0.0)
                     T.copy(acc_a, a_s)
-                    for a, b in T.Parallel(BT, K):
-                        k_s[slot, a, b] = T.cast(T.cast(k_s[slot, a, b], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, a]), dtype)
-                        q_s[slot, a, b] = T.cast(T.cast(q_s[slot, a, b], acc) * T.exp(g_s[slot, a]) * scale, dtype)
+                    if row_factors:
+                        for a in T.Parallel(BT):
+                            fk_s[a] = T.exp(g_s[slot, BT - 1] - g_s[slot, a])
+                            fq_s[a] = T.exp(g_s[slot, a])
+                        T.copy(k_s[slot, :, :], k_r)
+                        T.copy(q_s[slot, :, :], q_r)
+                        for a, b in T.Parallel(BT, K):
+                            k_r[a, b] = T.cast(T.cast(k_r[a, b], acc) * fk_s[a], dtype)
+                            q_r[a, b] = T.cast(T.cast(q_r[a, b], acc) * fq_s[a] * scale, dtype)
+                        T.copy(k_r, k_s[slot, :, :])
+                        T.copy(q_r, q_s[slot, :, :])
+                    else:
+                        for a, b in T.Parallel(BT, K):
+                            k_s[slot, a, b] = T.cast(T.cast(k_s[slot, a, b], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, a]), dtype)
+                            q_s[slot, a, b] = T.cast(T.cast(q_s[slot, a, b], acc) * T.exp(g_s[slot, a]) * scale, dtype)
                     T.clear(acc_adv)
                     T.gemm(a_s, do_s[slot, :, :], acc_adv, transpose_A=True)
                     T.copy(acc_adv, adv_s[slot, :, :])
