@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Owed (sixteenth session, 2026-12-04): the delta rules at K = 256 --
+# session for what is owed). Nothing is owed now; as it stands it re-checks the sixteenth session's
+# (2026-12-04) K = 256 work, all measured (RESULTS.md): the delta rules at K = 256 --
 # the state pass `chunk_delta_fwd` with two stages of k, u and G and one buffer each of q and w
 # (`single_qw`; `x_fused_s1` / `x_fused_h_s1` the one-stage pass dispatched before), and the WY
 # kernel's blocked inverse at 256 threads (`x_wy_rows` / `x_wy_t_rows` row by row, as before);
-# beside them the forward from T0 (`inv`, `fused_t`) that the forward with no gradient takes, and
+# beside them the forward from T0 (`inv`, `fused_t`; at K = 256 no longer the default), and
 # the K = 256 backward's three programs (where the rest of its time goes).
 # Two halves:
 #

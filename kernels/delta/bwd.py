@@ -21,7 +21,10 @@ from kernels.common import delta_loads, stage_loads
 def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
                            stages: int | None = None):
     """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched kernel
-    at K = 256, and at K <= 128 before `chunk_delta_bwd_dh` (kept as the experiment `x_dh_1wg`)."""
+    at K = 256, and at K <= 128 before `chunk_delta_bwd_dh` (kept as the experiment `x_dh_1wg`).
+    The rows' factors `exp(G_C - G)`, `exp(G)` are formed once per chunk into shared memory (as
+    `chunk_delta_bwd_dh(row_factors=True)` does; an exponential per element of k and q before,
+    2026-12-04), the same bits."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     threads = threads or (256 if K > 128 else 128)
@@ -56,6 +59,8 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
             dv_s = T.alloc_shared((BT, BV), dtype)
             a_s = T.alloc_shared((BT, BT), dtype)
             g_s = T.alloc_shared((BT,), acc)
+            fk_s = T.alloc_shared((BT,), acc)  # exp(G_C - G), exp(G) of the chunk's rows
+            fq_s = T.alloc_shared((BT,), acc)
             acc_a = T.alloc_fragment((BT, BT), acc)
             acc_dv = T.alloc_fragment((BT, BV), acc)
             c1 = cstart[n] + ccount[n] - 1
@@ -75,9 +80,12 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                 for a, b in T.Parallel(BT, BT):
                     acc_a[a, b] = T.if_then_else(a >= b, acc_a[a, b] * T.exp(g_s[a] - g_s[b]) * scale, 0.0)
                 T.copy(acc_a, a_s)
+                for a in T.Parallel(BT):
+                    fk_s[a] = T.exp(g_s[BT - 1] - g_s[a])
+                    fq_s[a] = T.exp(g_s[a])
                 for a, b in T.Parallel(BT, K):
-                    kd_s[a, b] = T.cast(T.cast(k_s[a, b], acc) * T.exp(g_s[BT - 1] - g_s[a]), dtype)
-                    qd_s[a, b] = T.cast(T.cast(q_s[a, b], acc) * T.exp(g_s[a]) * scale, dtype)
+                    kd_s[a, b] = T.cast(T.cast(k_s[a, b], acc) * fk_s[a], dtype)
+                    qd_s[a, b] = T.cast(T.cast(q_s[a, b], acc) * fq_s[a] * scale, dtype)
                 T.clear(acc_dv)
                 T.gemm(a_s, do_s, acc_dv, transpose_A=True)
                 T.gemm(kd_s, dh_s, acc_dv)
