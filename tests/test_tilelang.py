@@ -117,6 +117,8 @@ DELTA_GPU_CASES = [
     Case("gated_delta_rule", 1, 1000, 2, 128, 128, HV=4, dtype="bfloat16", cu=(0, 0, 300, 301, 640, 1000), h0=True, l2norm=True),
     Case("gated_delta_rule", 1, 700, 2, 64, 64, dtype="float16", norm=0.1),
     Case("gated_delta_rule", 2, 130, 2, 256, 256, dtype="bfloat16", l2norm=True, h0=True),
+    # K = 256 over ten chunks (the state passes' stages and single buffers wrap), grouped, an empty sequence
+    Case("gated_delta_rule", 1, 700, 2, 256, 256, HV=4, dtype="float16", cu=(0, 64, 64, 700), l2norm=True),
     Case("delta_rule", 2, 500, 2, 128, 128, dtype="bfloat16", h0=True),  # gates off
     Case("delta_rule", 1, 300, 2, 64, 64, dtype="float16", l2norm=True, cu=(0, 64, 64, 300)),
 ]
