@@ -133,8 +133,9 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
     """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * value head) program.
 
-    * warpgroup 2 streams each chunk's q, k, w, u (TMA) and G into `stages` buffers (two; one at
-      K = 256, where two would exceed 227 KB of shared memory);
+    * warpgroup 2 streams each chunk's q, k, w, u (TMA) and G into `stages` buffers (two; at
+      K = 256, where two of everything would exceed 227 KB of shared memory, q and w in one, see
+      `single_qw`);
     * warpgroup 0 keeps `S` (float32) in registers and runs the chain: it publishes `S` in the
       input dtype to shared memory, forms `v_new = u - w S` there (and stores it, with `h` under
       `store_h`, by TMA stores that run while it works), then
