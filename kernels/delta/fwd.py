@@ -180,17 +180,16 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             s_free = T.alloc_barrier([128])  # warpgroup 1 has read them
             c0 = cstart[n]
             nc = ccount[n]
-            loads = delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv)
+            loads = delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv)  # q, k, w, u, G
+            one_full = one_free = q_sync = None
+            singles = ()
             if single_qw:  # w's and q's own buffers: landed (w, q), read by warpgroup 0 / 1
                 one_full = T.alloc_barrier([128, 128])
                 one_free = T.alloc_barrier([128, 128])
                 q_sync = (one_full, one_free, 1)
-                with T.ws(2):
-                    stage_loads((loads[1], *loads[3:]), full, free, nc, stages, c0, 1, (loads[2][:2], loads[0][:2]), one_full, one_free)
-            else:
-                q_sync = None
-                with T.ws(2):
-                    stage_loads(loads, full, free, nc, stages, c0, 1)
+                loads, singles = (loads[1], *loads[3:]), (loads[2][:2], loads[0][:2])
+            with T.ws(2):
+                stage_loads(loads, full, free, nc, stages, c0, 1, singles, one_full, one_free)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
