@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Nothing is owed now; as it stands it re-checks the sixteenth session's
-# (2026-12-04) K = 256 work, all measured (RESULTS.md): the delta rules at K = 256 --
-# the state pass `chunk_delta_fwd` with two stages of k, u and G and one buffer each of q and w
-# (`single_qw`; `x_fused_s1` / `x_fused_h_s1` the one-stage pass dispatched before), and the WY
-# kernel's blocked inverse at 256 threads (`x_wy_rows` / `x_wy_t_rows` row by row, as before);
-# beside them the forward from T0 (`inv`, `fused_t`; at K = 256 no longer the default), and
-# the K = 256 backward's three programs (where the rest of its time goes).
+# session for what is owed). Seventeenth session (2026-12-04): use_qk_l2norm_in_kernel's gradient
+# folded into the delta rules' consumer (`dqkvg_l2`, dq of the raw q) and WY VJP (`wy_bwd_l2`, dk
+# of the raw k), timed beside the programs without it and the `norm_bwd` pass per tensor they
+# replace; `norm_bwd` now reads the stored y rather than x.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -20,8 +17,7 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(${d}_k256_v256_c64_{fused,x_fused_s1,fused_h,x_fused_h_s1,wy,x_wy_rows,wy_t,x_wy_t_rows,inv,fused_t}
-       fla_delta_bwd_bf16_k256_v256_c64_{dh,dqkvg,wy_bwd})
+progs=(fla_delta_bwd_bf16_k128_v128_c64_{dqkvg,dqkvg_l2,wy_bwd,wy_bwd_l2,norm_bwd})
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
@@ -33,10 +29,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-matches_float64 or forward_from_the_inverse or x_fused or x_wy or wy_inverse}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-delta_matches_float64 or l2norm}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
-for s in ${SHAPES:-4x4096x8x256 2x8192x8x256}; do
+for s in ${SHAPES:-4x4096x16x128 2x8192x16x128}; do
   timeout 100 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --inner 10 --rounds 5 --reps 6 "${progs[@]}" 2>&1 | grep -v "^#"
 done | tee "$O/times.txt"
 echo "t=${SECONDS}"

@@ -64,6 +64,11 @@ DELTA_WY_BWD_KERNEL = True
 # both paths at every K (all of `HEAD_DIMS`, and none).
 DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
 
+# use_qk_l2norm_in_kernel under a gradient: the normalisation's gradient folded into the backward's
+# consumer (dq; `dqkvg_l2`, at K <= 128) and WY VJP (dk; `wy_bwd_l2`) instead of a `norm_bwd` pass
+# per tensor after them. Tests run both settings.
+DELTA_L2NORM_FUSED = True
+
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
 VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -129,14 +134,12 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     """Raw inputs (q, k, v in their dtype, not scaled, not normalised), as `_compute` hands them
     to this backend.
 
-    q and k are l2-normalised here when asked (delta rules; `_l2norm`). Tokens are laid
+    q and k are l2-normalised inside the op when asked (delta rules; `_op`). Tokens are laid
     out in chunk rows as for the xla backend (`fla_jax._layout`: every sequence starts at a chunk
     boundary, zeros in padding slots); the in-chunk gate cumulative sum is taken here, so its
     gradient (a reverse cumulative sum) is JAX's, but for GLA, whose kernels take both."""
     T = q.shape[1]
     C = p.chunk_size
-    if l2norm:
-        q, k = _l2norm(p, q, k)
     layout = _layout.make_layout(T, cu_seqlens, C)
     g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)  # GLA: [B, T, H, K]
     beta = beta.astype(jnp.float32) if p.delta else None
@@ -145,42 +148,21 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     G = g32 if p.op == "gla" else jnp.cumsum(g32.reshape(g32.shape[0], -1, C, *g32.shape[2:]), axis=2).reshape(g32.shape)
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
     tokens = (q, k, v, G) + ((beta,) if p.delta else ())
-    o, ht = _op(p, float(scale), *tokens, h0.astype(jnp.float32), *tables)
+    o, ht = _op(p, float(scale), l2norm, *tokens, h0.astype(jnp.float32), *tables)
     return _layout.unpack(o, layout, T), ht
 
 
 # ----------------------------------------------------------------------------- use_qk_l2norm_in_kernel
-# Under a gradient q and k are normalised by a kernel each way (`kernels/delta/norm.py`),
-# partitioned like the op.
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _l2norm(p: Problem, q, k):
-    """`(q / |q|, k / |k|)` over the last axis (`fla_jax._problem.l2_normalise`), input dtype.
-    Not differentiated (inference) XLA's: its fused pass was the faster there (GDN forward 0.610
-    against 0.652 ms with the kernel, 4,4096,16,128, H200, 2026-12-03); under a gradient the
-    kernels, which also keep 1 / |x| for the backward (XLA took two passes per tensor there)."""
-    return tuple(l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
-
-
-def _l2norm_fwd(p, q, k):
-    qn, kn, rq, rk = _norm_partitioned(p, "fwd")(q, k)
-    return (qn, kn), (q, k, rq, rk)
-
-
-def _l2norm_bwd(p, res, ct):
-    return _norm_partitioned(p, "bwd")(*res, *(c.astype(x.dtype) for c, x in zip(ct, res)))
-
-
-_l2norm.defvjp(_l2norm_fwd, _l2norm_bwd)
+# Inside the op's custom VJP, on the chunk rows. Without a gradient XLA's fused pass (the faster
+# there: GDN forward 0.610 against 0.652 ms with the kernel, 4,4096,16,128, H200, 2026-12-03); under
+# one a kernel per tensor (`norm`), which also keeps 1 / |x| for the backward (XLA took two passes per
+# tensor there). The backward folds the normalisation's gradient into its consumer and WY VJP
+# (`DELTA_L2NORM_FUSED`), or runs `norm_bwd` per tensor after them.
 
 
 @functools.cache
-def _norm_partitioned(p: Problem, direction: str):
-    if direction == "fwd":
-        return _partition.batch_head_partitioned(functools.partial(_norm_forward, p), ("bthk", "bthk"), ("bthk", "bthk", "bth", "bth"))
-    ins = ("bthk", "bthk", "bth", "bth", "bthk", "bthk")
-    return _partition.batch_head_partitioned(functools.partial(_norm_backward, p), ins, ("bthk", "bthk"))
+def _norm_partitioned(p: Problem):
+    return _partition.batch_head_partitioned(functools.partial(_norm_forward, p), ("bthk", "bthk"), ("bthk", "bthk", "bth", "bth"))
 
 
 def _norm_forward(p: Problem, q, k):
@@ -191,11 +173,10 @@ def _norm_forward(p: Problem, q, k):
     return qn.reshape(q.shape), kn.reshape(k.shape), rq.reshape(q.shape[:3]), rk.reshape(k.shape[:3])
 
 
-def _norm_backward(p: Problem, q, k, rq, rk, dqn, dkn):
-    """`(dq, dk)` from the raw q, k, the norms' reciprocals and the gradients of the normalised."""
-    target = _targets(p, "bwd", q.shape[-1], q.shape[-1])["norm_bwd"]
-    rows = lambda x: x.reshape(-1, *x.shape[2:])
-    return tuple(_call(target, _like(rows(x)), rows(x), rows(r), rows(dy)).reshape(x.shape) for x, r, dy in ((q, rq, dqn), (k, rk, dkn)))
+def _norm_backward(p: Problem, y, r, dy):
+    """The raw x's gradient from the normalised `y [L, H, K]`, `r = 1 / |x|` `[L, H]` and the
+    gradient of y."""
+    return _call(_targets(p, "bwd", y.shape[-1], y.shape[-1])["norm_bwd"], _like(y), y, r, dy)
 
 
 # Per-token arrays handed to the kernels' Python side (the delta rules add beta), with the axis
@@ -317,14 +298,17 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     return (out[0].reshape(B, Lr, HV, V), *h, *wy, out[-1])
 
 
-def _backward(p: Problem, scale: float, switches: tuple, *arrays):
-    """Gradients of the token arrays and of h0, from (token arrays, h, *wy, tables, do, dht);
-    wy as `_forward` stores it (delta rules and GLA). `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE
-    (read by `_forward`) and the experiment overrides (read by `_targets` while this traces)."""
-    fused, wy_kernel = switches[:2]
+def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, *arrays):
+    """Gradients of the token arrays and of h0, from (token arrays, h, *wy, *norms, tables, do,
+    dht); wy as `_forward` stores it (delta rules and GLA); with `l2norm` the token arrays hold the
+    normalised q and k, `norms` their `1 / |x|` (`[B, T, H]` float32), and the gradients are the
+    raw q's and k's. `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE (read by
+    `_forward`), DELTA_L2NORM_FUSED and the experiment overrides (read by `_targets` while this traces)."""
+    fused, wy_kernel, _, norm_fused = switches[:4]
     n = len(_token_layouts(p))
-    m = n + 1 + len(_stored_layouts(p))
+    m = n + 1 + len(_stored_layouts(p)) + (2 if l2norm else 0)
     tokens, h, wy, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-2], arrays[-2:]
+    wy, norms = (wy[:-2], wy[-2:]) if l2norm else (wy, ())
     C = p.chunk_size
     B, Lr, _, K = tokens[0].shape
     flat, (cstart, ccount) = _flat(C, *tokens, tables=tables)
@@ -347,14 +331,19 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
     # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
     # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
     wd, ud, Tm, vn = (x.reshape(-1, *x.shape[2:]) for x in wy)
+    rq, rk = (x.reshape(-1, x.shape[-1]) for x in norms) if l2norm else (None, None)
     H, HV = qf.shape[1], vf.shape[1]
     # value heads -> q/k heads (nothing where they are the same)
     group_sum = lambda x: x if HV == H else x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)
     dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     heads = lambda x: _like(x, None, HV)
+    # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
+    q_norm = l2norm and norm_fused and fused and "dqkvg_l2" in bwd
+    k_norm = l2norm and norm_fused and fused and wy_kernel
     if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel (du = dv_new)
-        dq, dkv, du, dG = _consumer(p, bwd["dqkvg"], (heads(qf), heads(kf), _like(vf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, scale=s)
+        dqkvg, rqs = (bwd["dqkvg_l2"], (rq,)) if q_norm else (bwd["dqkvg"], ())
+        dq, dkv, du, dG = _consumer(p, dqkvg, (heads(qf), heads(kf), _like(vf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, *rqs, scale=s)
         dq, dk = group_sum(dq), 0.0  # dk per value head (dkv) goes on to the WY VJP
     else:
         _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
@@ -362,7 +351,8 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
         dkv = jnp.zeros(heads(kf).shape, kf.dtype)
     if wy_kernel:  # it forms dw = -du h^T itself (v_new = u - w h) and adds dkv to its dk
         outs = (heads(kf), _like(vf), _like(Gf), _like(Gf))
-        dk2, dv, dG2, dbeta = _call(bwd["wy_bwd"], outs, kf, vf, Gf, flat[4], Tm, hf, du.astype(kf.dtype), dkv)
+        wy_bwd, rks = (bwd["wy_bwd_l2"], (rk,)) if k_norm else (bwd["wy_bwd"], ())
+        dk2, dv, dG2, dbeta = _call(wy_bwd, outs, kf, vf, Gf, flat[4], Tm, hf, du.astype(kf.dtype), dkv, *rks)
         dk2 = group_sum(dk2)
     else:
         if fused:  # the XLA WY VJP takes dw = -du h^T
@@ -371,27 +361,33 @@ def _backward(p: Problem, scale: float, switches: tuple, *arrays):
             dk = group_sum(f32(dkv))
         dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, f32(du))
     dk = dk2 if fused and wy_kernel else dk + dk2  # (the WY VJP kernel has added the consumer's dk)
+    if l2norm and not q_norm:
+        dq = _norm_backward(p, qf, rq, dq.astype(qf.dtype))
+    if l2norm and not k_norm:
+        dk = _norm_backward(p, kf, rk, dk.astype(kf.dtype))
     return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
             rows(dbeta, jnp.float32), dh0)
 
 
-def _partitioned(p: Problem, scale: float, direction: str, varlen: bool):
+def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool = False):
     """The forward (`fwd`, `fwd_h`: with stored states) or backward as one custom-partitioned
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
-    states whole. The module's switches are read here, so that changing them takes effect."""
-    switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, tuple(sorted(EXPERIMENT_OVERRIDES.items())))
-    return _partitioned_with(p, scale, direction, varlen, switches, VJP_PRECISION)
+    states whole. The module's switches are read here, so that changing them takes effect.
+    `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients."""
+    switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())))
+    return _partitioned_with(p, scale, direction, varlen, l2norm, switches, VJP_PRECISION)
 
 
 @functools.cache
-def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, switches: tuple, precision):
+def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool, switches: tuple, precision):
     del precision  # read by `_delta_local` and `_wy_vjp` while they trace; a key of the cache here
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
     tokens = _token_layouts(p)
     if direction == "bwd":
-        ins, outs = tokens + ("bchkv",) + _stored_layouts(p) + tables + ("bthv", state), tokens + (state,)
-        fn = functools.partial(_backward, p, scale, switches)
+        norms = ("bth", "bth") if l2norm else ()
+        ins, outs = tokens + ("bchkv",) + _stored_layouts(p) + norms + tables + ("bthv", state), tokens + (state,)
+        fn = functools.partial(_backward, p, scale, switches, l2norm)
     else:
         ins = tokens + (state,) + tables
         outs = ("bthv", "bchkv") + _stored_layouts(p) + (state,) if direction == "fwd_h" else ("bthv", state)
@@ -399,23 +395,30 @@ def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, sw
     return _partition.batch_head_partitioned(fn, ins, outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _op(p, scale, *arrays):
-    """`(o, ht)` from (token arrays, h0, varlen tables); gradients by the backward kernels."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _op(p, scale, l2norm, *arrays):
+    """`(o, ht)` from (token arrays, h0, varlen tables); gradients by the backward kernels. With
+    `l2norm` q and k (the first two arrays) are l2-normalised first."""
     n = len(_token_layouts(p))
+    if l2norm:
+        arrays = (*(l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in arrays[:2]), *arrays[2:])
     return _partitioned(p, scale, "fwd", len(arrays) > n + 1)(*arrays)
 
 
-def _op_fwd(p, scale, *arrays):
+def _op_fwd(p, scale, l2norm, *arrays):
     n = len(_token_layouts(p))
+    norms = ()
+    if l2norm:  # the normalised q, k in place of the raw ones, and 1 / |q|, 1 / |k| for the backward
+        qn, kn, *norms = _norm_partitioned(p)(*arrays[:2])
+        arrays = (qn, kn, *arrays[2:])
     o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + 1)(*arrays)
-    return (o, ht), (arrays[:n], h, tuple(wy), arrays[n + 1 :])
+    return (o, ht), (arrays[:n], h, (*wy, *norms), arrays[n + 1 :])
 
 
-def _op_bwd(p, scale, res, ct):
+def _op_bwd(p, scale, l2norm, res, ct):
     tokens, h, wy, tables = res
     do, dht = ct
-    grads = _partitioned(p, scale, "bwd", bool(tables))(*tokens, h, *wy, *tables, do.astype(tokens[0].dtype), dht)
+    grads = _partitioned(p, scale, "bwd", bool(tables), l2norm)(*tokens, h, *wy, *tables, do.astype(tokens[0].dtype), dht)
     return (*grads, *(None for _ in tables))
 
 

@@ -130,6 +130,17 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"), dims=(256,)),
         # the normalisation's gradient
         Program(name="norm_bwd", module="delta.norm", builder="l2norm_bwd", outputs=("dx",)),
+        # use_qk_l2norm_in_kernel: the consumer and the WY VJP with the normalisation's gradient folded in
+        # (one more input each, 1 / |q| and 1 / |k|; dq and dk of the raw q and k), in place of two
+        # `norm_bwd` passes. Not at K = 256, where the consumer splits a row's key channels over two programs.
+        Program(name="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True), ("l2norm", True), *FLAT_64), dims=(64,)),
+        Program(name="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(("delta", True), ("l2norm", True), *FLAT_BV32), dims=(128,)),
+        Program(name="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
+                config=(("t_regs", True), ("l2norm", True)), dims=(64, 128)),
+        Program(name="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
+                config=(("l2norm", True),), dims=(256,)),
     ),
     ("simple_gla", "bwd"): (
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),

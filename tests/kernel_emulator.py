@@ -342,13 +342,19 @@ def delta_wy_bwd(k, v, G, beta, Tm, h, du, dk0):
     dtype, dG, dbeta (float32), by JAX's VJP of the preparation (T recomputed), with
     `dw = -du h^T` rounded to the input dtype."""
     del Tm
+    dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
+    return dk.astype(du.dtype), dv.astype(du.dtype), dG, dbeta
+
+
+def _wy_bwd(k, v, G, beta, h, du, dk0):
+    """`delta_wy_bwd` in float32, before the outputs are rounded."""
     NT, HV, K, V = h.shape
     dw = -jnp.einsum("nchv,nhkv->nchk", du.astype(f32).reshape(NT, C, HV, V), h.astype(f32))
     dw = dw.reshape(-1, HV, K).astype(du.dtype)
     kr = jnp.repeat(k, v.shape[1] // k.shape[1], axis=1).astype(f32)
     _, vjp = jax.vjp(lambda *a: _wy(*a)[:2], kr, v.astype(f32), G, beta)
     dk, dv, dG, dbeta = vjp((dw.astype(f32), du.astype(f32)))
-    return (dk + dk0.astype(f32)).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
+    return dk + dk0.astype(f32), dv, dG, dbeta
 
 
 def l2norm_fwd(x):
@@ -357,15 +363,35 @@ def l2norm_fwd(x):
     return (x.astype(f32) * r[..., None]).astype(x.dtype), r
 
 
-def l2norm_bwd(x, r, dy):
-    """kernels/delta/norm.py `l2norm_bwd`: r (dy - y sum(dy y)), y = x r, input dtype."""
-    y, dy = x.astype(f32) * r[..., None], dy.astype(f32)
-    return (r[..., None] * (dy - y * jnp.sum(dy * y, axis=-1, keepdims=True))).astype(x.dtype)
+def l2norm_bwd(y, r, dy):
+    """kernels/delta/norm.py `l2norm_bwd`: r (dy - y sum(dy y)) from the normalised y, input dtype."""
+    return _l2norm_grad(y, r, dy).astype(y.dtype)
+
+
+def _l2norm_grad(y, r, dy):
+    """The raw x's gradient (float32) from y = x / |x|, r = 1 / |x| and the gradient of y (per
+    value head where y, r are per q/k head)."""
+    rep = lambda a: jnp.repeat(a, dy.shape[1] // a.shape[1], axis=1)
+    y, r, dy = rep(y).astype(f32), rep(r), dy.astype(f32)
+    return r[..., None] * (dy - y * jnp.sum(dy * y, axis=-1, keepdims=True))
+
+
+def delta_bwd_dqkvg_l2(q, k, vn, G, h, do, dh, rq, *, scale):
+    """`chunk_bwd_dqkvg(delta=True, l2norm=True)`: dq the raw q's gradient (q normalised, rq = 1 / |q|)."""
+    dq, dk, dv, dg = delta_bwd_dqkvg(q, k, vn, G, h, do, dh, scale=scale)
+    return _l2norm_grad(q, rq, dq).astype(dq.dtype), dk, dv, dg
+
+
+def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):
+    """`chunk_delta_wy_bwd(l2norm=True)`: dk the raw k's gradient (k normalised, rk = 1 / |k|),
+    the normalisation's gradient taken of dk in float32."""
+    dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
+    return _l2norm_grad(k, rk, dk).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
 DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
-                  "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg,
-                  "_wy_bwd": delta_wy_bwd}
+                  "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg, "_dqkvg_l2": delta_bwd_dqkvg_l2,
+                  "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2}
 
 
 def call(target, results, *args, **attrs):

@@ -149,6 +149,29 @@ def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
 
 @on_hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in DELTA_GPU_CASES if c.l2norm], ids=str)
+def test_tilelang_delta_l2norm_gradient_passes(case, monkeypatch):
+    """The normalisation's gradient by a `norm_bwd` pass per tensor (DELTA_L2NORM_FUSED off)
+    rather than in the consumer and WY VJP, against float64 under NaN-poisoned outputs with
+    fla's ratios, and against the default (folded) path (dq, dk within 0.6 %: each is rounded to
+    the input dtype once, from float32 values that differ in their last bits)."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    diff, cot = make_inputs(case, 19)
+    ref_g, _ = reference_grads(case, diff, cot)
+    grads = {}
+    for norm_fused in (True, False):
+        monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", norm_fused)
+        grads[norm_fused], _ = loss_and_outputs(case, "tilelang")(diff, cot)
+    errs = {"d" + n: err_ratio(ref_g[n], grads[False][n]) for n in diff}
+    same = {"d" + n + "_folded": err_ratio(grads[False][n], grads[True][n]) for n in ("q", "k")}
+    print(case, {n: f"{e:.1e}" for n, e in (errs | same).items()})
+    limit = lambda n: 0.006 if n.endswith("_folded") else 0.02 if n in ("dbeta", "dg") else 0.008
+    bad = {n: e for n, e in (errs | same).items() if not e <= limit(n)}
+    assert not bad, bad
+
+
+@on_hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
 def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
     """Both forwards with no gradient, DELTA_FWD_INVERSE (the default: the gate-free inverse `inv`,
@@ -640,9 +663,10 @@ def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
         assert [c for c in both if c.startswith("fla_delta_fwd")] == names[4:]
 
 
+@pytest.mark.parametrize("norm_fused", [True, False], ids=["norm_fused", "norm_passes"])
 @pytest.mark.parametrize("mode", DELTA_BWD_MODES)
 @pytest.mark.parametrize("K", [64, 128, 256])
-def test_delta_export_for_cuda_has_the_custom_calls(K, mode, monkeypatch):
+def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeypatch):
     """GDN (grouped heads, l2 norm) and its gradient lower for CUDA to the kernels (forward: WY
     preparation and the state pass; under a gradient both storing what the backward reads, the
     reverse state-gradient pass and, when switched on, the consumer and WY VJP kernels) around
@@ -650,12 +674,16 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, monkeypatch):
     fused, wy_kernel = DELTA_BWD_MODES[mode]
     monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
     monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
+    monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", norm_fused)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    # under a gradient q and k are normalised by a kernel each (XLA's pass without one), and so
-    # their gradients
+    # under a gradient q and k are normalised by a kernel each (XLA's pass without one); their
+    # gradients by the consumer (at K <= 128) and the WY VJP where DELTA_L2NORM_FUSED and both
+    # run, else by a pass each
+    q_norm, k_norm = norm_fused and fused and K <= 128, norm_fused and fused and wy_kernel
     programs = [("fwd", "inv"), ("fwd", "fused_t")] if K in tilelang_backend.DELTA_FWD_INVERSE else [("fwd", "wy"), ("fwd", "fused")]
     programs += [("fwd", "norm")] * 2 + [("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
-    programs += [("bwd", "dqkvg")] * fused + [("bwd", "wy_bwd")] * wy_kernel + [("bwd", "norm_bwd")] * 2
+    programs += [("bwd", "dqkvg_l2" if q_norm else "dqkvg")] * fused + [("bwd", "wy_bwd_l2" if k_norm else "wy_bwd")] * wy_kernel
+    programs += [("bwd", "norm_bwd")] * (2 - q_norm - k_norm)
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]
     fwd, both = _gdn_custom_calls(K, sorted(set(names)), l2norm=True)
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]

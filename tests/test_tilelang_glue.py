@@ -80,6 +80,35 @@ def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
     assert all(e <= tol for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("case", [c for c in DELTA_CASES if c.l2norm] + [Case("gated_delta_rule", 1, 100, 1, 256, 256, HV=2, dtype="bfloat16", l2norm=True)], ids=str)
+def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
+    """use_qk_l2norm_in_kernel under a gradient: with DELTA_L2NORM_FUSED the consumer and the WY
+    VJP take the normalisation's gradient (`dqkvg_l2`, `wy_bwd_l2`; at K = 256, where the consumer
+    splits a row's channels, dq by `norm_bwd`), without it a `norm_bwd` pass per tensor; both
+    against the float64 recurrence (emulated kernels)."""
+    calls = []
+
+    def record(target, *args, **attrs):
+        calls.append(target.rsplit("_c64_", 1)[1])
+        return kernel_emulator.call(target, *args, **attrs)
+
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    diff, cot = make_inputs(case, 43)
+    ref_g, _ = reference_grads(case, diff, cot)
+    tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
+    for on in (True, False):
+        monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", on)
+        jax.clear_caches()  # (an earlier test may have traced the same partitioned backward)
+        calls.clear()
+        grads, _ = loss_and_outputs(case, "tilelang")(diff, cot)
+        bwd = [c for c in calls if c in ("dqkvg", "dqkvg_l2", "wy_bwd", "wy_bwd_l2", "norm_bwd")]
+        want = (["dqkvg_l2" if case.K <= 128 else "dqkvg", "wy_bwd_l2"] + ["norm_bwd"] * (case.K > 128)) if on else ["dqkvg", "wy_bwd", "norm_bwd", "norm_bwd"]
+        assert bwd == want, (on, calls)
+        errs = {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff}
+        print(case, on, {n: f"{e:.1e}" for n, e in errs.items()})
+        assert all(e <= tol for e in errs.values()), (on, errs)
+
+
 @pytest.mark.parametrize("case", DELTA_CASES, ids=str)
 def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypatch):
     """DELTA_FWD_INVERSE: the forward with no gradient takes the gate-free inverse (`inv`) and the

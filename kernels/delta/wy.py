@@ -357,7 +357,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
-                       tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False, t_regs: bool = False):
+                       tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False, t_regs: bool = False,
+                       l2norm: bool = False):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -381,28 +382,18 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     transposed for its column sums through X's spent halves (hi + lo) instead of T's float32
     tile: 99.6 KB of shared memory against 115.7 at K = V = 128, so two programs share an SM
     (at K = 64 66.8 KB against 82.9, three programs against two; dispatched at K <= 128: 0.336 against
-    0.457 ms at 4,4096,16,128 bf16, H200, 2026-12-03)."""
+    0.457 ms at 4,4096,16,128 bf16, H200, 2026-12-03).
+    `l2norm` (`use_qk_l2norm_in_kernel`; k is the normalised `y = x r`): one more input, `rk [L, H]`
+    (float32 `r = 1 / |x|` of the raw k), and dk is the raw k's gradient `r (dk - y sum(dk y))`
+    (linear in dk, so per value head before the caller sums a group)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
 
     split = _hi_lo(BT, dtype, scaled=False)
 
-    @T.prim_func
-    def main(
-        k: T.Tensor((L, H, K), dtype),
-        v: T.Tensor((L, HV, V), dtype),
-        g: T.Tensor((L, HV), acc),
-        beta: T.Tensor((L, HV), acc),
-        t: T.Tensor((NT, HV, BT, BT), acc),
-        h: T.Tensor((NT, HV, K, V), dtype),
-        du: T.Tensor((L, HV, V), dtype),
-        dk0: T.Tensor((L, HV, K), dtype),
-        dk: T.Tensor((L, HV, K), dtype),
-        dv: T.Tensor((L, HV, V), dtype),
-        dg: T.Tensor((L, HV), acc),
-        dbeta: T.Tensor((L, HV), acc),
-    ):
+    @T.macro
+    def body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta):
         with T.Kernel(NT, HV, threads=threads) as (ic, ihv):
             ih = ihv // (HV // H)
             t0 = ic * BT
@@ -417,6 +408,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             xl_s = T.alloc_shared((BT, BT), dtype)
             g_s = T.alloc_shared((BT,), acc)
             b_s = T.alloc_shared((BT,), acc)
+            rk_s = T.alloc_shared((BT,), acc) if l2norm else None
             rb_s = T.alloc_shared((BT,), acc)  # row sums of dA * E * KK^T (dbeta)
             rg_s = T.alloc_shared((BT,), acc)  # row sums - column sums of P (dG)
             rv_s = T.alloc_shared((BT,), acc)  # row sums of dvb * v
@@ -465,6 +457,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 T.copy(du[t0 : t0 + BT, ihv, 0:V], du_s)
             T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
+            if l2norm:
+                T.copy(rk[t0 : t0 + BT, ih], rk_s, disable_tma=True)
             if tma_loads:
                 T.barrier_wait(full[0], 0)
             if t_regs:  # T through the registers into its halves
@@ -570,11 +564,56 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 T.barrier_wait(full[2], 0)
             for a, b in T.Parallel(BT, K):
                 acc_k[a, b] += T.cast(dw_s[a, b], acc)
+            if l2norm:  # the raw k's gradient, r (dk - y sum(dk y))
+                for a, b in T.Parallel(BT, K):
+                    acc_k2[a, b] = acc_k[a, b] * T.cast(k_s[a, b], acc)
+                T.reduce_sum(acc_k2, krow, dim=1)
+                for a, b in T.Parallel(BT, K):
+                    acc_k[a, b] = rk_s[a] * (acc_k[a, b] - T.cast(k_s[a, b], acc) * krow[a])
             if tma_stores:  # through the spent k tile
                 T.sync_threads()
                 T.copy(acc_k, k_s)
                 T.copy(k_s, dk[t0 : t0 + BT, ihv, 0:K])
             else:
                 T.copy(acc_k, dk[t0 : t0 + BT, ihv, 0:K])
+
+    if l2norm:
+
+        @T.prim_func
+        def main(
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            t: T.Tensor((NT, HV, BT, BT), acc),
+            h: T.Tensor((NT, HV, K, V), dtype),
+            du: T.Tensor((L, HV, V), dtype),
+            dk0: T.Tensor((L, HV, K), dtype),
+            rk: T.Tensor((L, H), acc),
+            dk: T.Tensor((L, HV, K), dtype),
+            dv: T.Tensor((L, HV, V), dtype),
+            dg: T.Tensor((L, HV), acc),
+            dbeta: T.Tensor((L, HV), acc),
+        ):
+            body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta)
+
+    else:
+
+        @T.prim_func
+        def main(
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            t: T.Tensor((NT, HV, BT, BT), acc),
+            h: T.Tensor((NT, HV, K, V), dtype),
+            du: T.Tensor((L, HV, V), dtype),
+            dk0: T.Tensor((L, HV, K), dtype),
+            dk: T.Tensor((L, HV, K), dtype),
+            dv: T.Tensor((L, HV, V), dtype),
+            dg: T.Tensor((L, HV), acc),
+            dbeta: T.Tensor((L, HV), acc),
+        ):
+            body(k, v, g, beta, t, h, du, dk0, None, dk, dv, dg, dbeta)
 
     return main

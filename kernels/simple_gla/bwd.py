@@ -163,7 +163,7 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
 
 def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
                     stages: int | None = None, delta: bool = False, BK: int | None = None, tma_qk: bool = True,
-                    specialized: bool = True):
+                    specialized: bool = True, l2norm: bool = False):
     """`BK` < K splits the key channels over `K / BK` programs per (chunk, head), each the
     unsplit program at K = BK: dq and dk of a channel need only its q, k, h and dh rows (and dS,
     which each program forms from do and v). What sums over all channels is written in float32
@@ -181,9 +181,16 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     overlap at V = 64, one V block): dispatched at K = 64 (`variants.FLAT_64`: 0.138 against 0.231
     ms at 8,2048,16,64 bf16, H200, 2026-12-03) and at K = 128 in V blocks of 32 with two stages
     (`variants.FLAT_BV32`, two programs per SM); at K = 128 with V blocks of 64 it is slower
-    (`x_dqkvg_flat`), and so is FLAT_BV32 at K = 256 with `BK = 128` (0.60 against 0.50 ms)."""
+    (`x_dqkvg_flat`), and so is FLAT_BV32 at K = 256 with `BK = 128` (0.60 against 0.50 ms).
+
+    `l2norm` (delta rules, `use_qk_l2norm_in_kernel`; q is the normalised `y = x r`): one more
+    input, `rq [L, H]` (float32 `r = 1 / |x|` of the raw q), and dq is the raw q's gradient
+    `r (dy - y sum(dy y))` (the normalisation's gradient, linear in dy, so per value head before
+    the caller sums a group); `sum(dy y)` is the row sum the gate gradient takes anyway. Not with
+    `BK < K` (a row's sum would span programs)."""
     BK = BK or K
     split = BK < K
+    assert not (l2norm and split), "l2norm needs whole rows of dq"
     # two-stage loads over the V blocks: 0.387 against 0.431 ms at 4,4096,16,128 bf16 (H200); at
     # K = 256 the second stage would need 273 KB of shared memory, over Hopper's 227 KB
     # (two warpgroups sharing every GEMM and elementwise step, 256 threads with the loads not
@@ -197,7 +204,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     heads, group = (HV, HV // H) if delta else (H, 1)
 
     @T.macro
-    def body(it, ihv, ik, q, k, v, g, h, do, dh, scale, dq, dk, dv, dg):
+    def body(it, ihv, ik, q, k, v, g, h, do, dh, rq, scale, dq, dk, dv, dg):
         ih = ihv // group
         c0 = ik * BK  # this program's key channels
         q_s = T.alloc_shared((BT, BK), dtype)
@@ -227,6 +234,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
         qk_row = T.alloc_fragment((BT,), acc)
         qk_row2 = T.alloc_fragment((BT,), acc)
         kdk_one = T.alloc_fragment((1,), acc)
+        rq_s = T.alloc_shared((BT,), acc) if l2norm else None
 
         if tma_qk:  # both loads in flight at once, beside G's
             qk_full = T.alloc_barrier([1])
@@ -237,6 +245,8 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             T.copy(q[it * BT : (it + 1) * BT, ih, c0 : c0 + BK], q_s)
             T.copy(k[it * BT : (it + 1) * BT, ih, c0 : c0 + BK], k_s)
         T.copy(g[it * BT : (it + 1) * BT, ihv], g_s, disable_tma=True)
+        if l2norm:
+            T.copy(rq[it * BT : (it + 1) * BT, ih], rq_s, disable_tma=True)
         if tma_qk:
             T.barrier_wait(qk_full[0], 0)
         for i in T.Parallel(1):
@@ -296,6 +306,9 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             dg_s[i] = qk_row[i] - qk_row2[i] + T.if_then_else(
                 i == BT - 1, T.exp(g_s[BT - 1]) * hdh_s[0] + kdk_one[0], 0.0
             )
+        if l2norm:  # the raw q's gradient, r (dq - y sum(dq y)); qk_row holds sum(dq y)
+            for i, j in T.Parallel(BT, BK):
+                acc_dq[i, j] = rq_s[i] * (acc_dq[i, j] - T.cast(q_s[i, j], acc) * qk_row[i])
         T.copy(acc_dq, dq_s)
         T.copy(dq_s, dq[it * BT : (it + 1) * BT, ihv, c0 : c0 + BK])
         T.copy(acc_dk, dk_s)
@@ -305,27 +318,50 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
         else:
             T.copy(dg_s, dg[it * BT : (it + 1) * BT, ihv], disable_tma=True)
 
-    @T.prim_func
-    def main(
-        q: T.Tensor((L, H, K), dtype),
-        k: T.Tensor((L, H, K), dtype),
-        v: T.Tensor((L, heads, V), dtype),
-        g: T.Tensor((L, heads), acc),
-        h: T.Tensor((NT, heads, K, V), dtype),
-        do: T.Tensor((L, heads, V), dtype),
-        dh: T.Tensor((NT, heads, K, V), dtype),
-        scale: T.float32,
-        dq: T.Tensor((L, heads, K), dtype),
-        dk: T.Tensor((L, heads, K), dtype),
-        dv: T.Tensor((K // BK, L, heads, V) if split else (L, heads, V), acc if split else dtype),
-        dg: T.Tensor((K // BK, L, heads) if split else (L, heads), acc),
-    ):
-        if split:
-            with T.Kernel(NT, heads, K // BK, threads=threads) as (it, ihv, ik):
-                body(it, ihv, ik, q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
-        else:
+    if l2norm:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, heads, V), dtype),
+            g: T.Tensor((L, heads), acc),
+            h: T.Tensor((NT, heads, K, V), dtype),
+            do: T.Tensor((L, heads, V), dtype),
+            dh: T.Tensor((NT, heads, K, V), dtype),
+            rq: T.Tensor((L, H), acc),
+            scale: T.float32,
+            dq: T.Tensor((L, heads, K), dtype),
+            dk: T.Tensor((L, heads, K), dtype),
+            dv: T.Tensor((L, heads, V), dtype),
+            dg: T.Tensor((L, heads), acc),
+        ):
             with T.Kernel(NT, heads, threads=threads) as (it, ihv):
-                body(it, ihv, 0, q, k, v, g, h, do, dh, scale, dq, dk, dv, dg)
+                body(it, ihv, 0, q, k, v, g, h, do, dh, rq, scale, dq, dk, dv, dg)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, heads, V), dtype),
+            g: T.Tensor((L, heads), acc),
+            h: T.Tensor((NT, heads, K, V), dtype),
+            do: T.Tensor((L, heads, V), dtype),
+            dh: T.Tensor((NT, heads, K, V), dtype),
+            scale: T.float32,
+            dq: T.Tensor((L, heads, K), dtype),
+            dk: T.Tensor((L, heads, K), dtype),
+            dv: T.Tensor((K // BK, L, heads, V) if split else (L, heads, V), acc if split else dtype),
+            dg: T.Tensor((K // BK, L, heads) if split else (L, heads), acc),
+        ):
+            if split:
+                with T.Kernel(NT, heads, K // BK, threads=threads) as (it, ihv, ik):
+                    body(it, ihv, ik, q, k, v, g, h, do, dh, None, scale, dq, dk, dv, dg)
+            else:
+                with T.Kernel(NT, heads, threads=threads) as (it, ihv):
+                    body(it, ihv, 0, q, k, v, g, h, do, dh, None, scale, dq, dk, dv, dg)
 
     # (build.py reads the attribute into the lowering's pass config)
     return main if specialized else main.with_attr("fla.disable_warp_specialized", 1)
