@@ -3,7 +3,9 @@
 # session for what is owed). Seventeenth session (2026-12-04): use_qk_l2norm_in_kernel's gradient
 # folded into the delta rules' consumer (`dqkvg_l2`, dq of the raw q) and WY VJP (`wy_bwd_l2`, dk
 # of the raw k), timed beside the programs without it and the `norm_bwd` pass per tensor they
-# replace; `norm_bwd` now reads the stored y rather than x.
+# replace; `norm_bwd` now reads the stored y rather than x. Then the forward with no gradient
+# normalising q and k in its kernels (`inv_l2`: 1 / |k| off K K^T's diagonal, 1 / |q| off Q Q^T's;
+# `fused_t_l2`: rows scaled by them), timed beside `inv` and `fused_t` after XLA's pass.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -17,7 +19,7 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(fla_delta_bwd_bf16_k128_v128_c64_{dqkvg,dqkvg_l2,wy_bwd,wy_bwd_l2,norm_bwd})
+progs=(fla_delta_fwd_bf16_k128_v128_c64_{inv,inv_l2,fused_t,fused_t_l2,norm})
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
@@ -29,7 +31,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-delta_matches_float64 or l2norm}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-delta_matches_float64 or l2norm or forward_from_the_inverse}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
 for s in ${SHAPES:-4x4096x16x128 2x8192x16x128}; do

@@ -64,9 +64,12 @@ DELTA_WY_BWD_KERNEL = True
 # both paths at every K (all of `HEAD_DIMS`, and none).
 DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
 
-# use_qk_l2norm_in_kernel under a gradient: the normalisation's gradient folded into the backward's
-# consumer (dq; `dqkvg_l2`, at K <= 128) and WY VJP (dk; `wy_bwd_l2`) instead of a `norm_bwd` pass
-# per tensor after them. Tests run both settings.
+# use_qk_l2norm_in_kernel folded into the kernels: under a gradient the normalisation's gradient in
+# the backward's consumer (dq; `dqkvg_l2`, at K <= 128) and WY VJP (dk; `wy_bwd_l2`) instead of a
+# `norm_bwd` pass per tensor after them (GDN fwd+bwd 1.375 -> 1.320 ms at 4,4096,16,128 bf16, H200,
+# 2026-12-04); without one, where the forward is the inverse's (DELTA_FWD_INVERSE), the normalisation
+# itself in `inv_l2` and `fused_t_l2` (no normalised copy of q and k) instead of XLA's pass before
+# them. Tests run both settings.
 DELTA_L2NORM_FUSED = True
 
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
@@ -252,11 +255,12 @@ def _like(x, dtype=None, heads=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype or x.dtype)
 
 
-def _forward(p: Problem, scale: float, store_h: bool, *arrays):
+def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
     """`(o, ht)`, or with `store_h` `(o, h, *wy, ht)`: h `[B, NT, HV, K, V]`, the state before each
     chunk, and for the backward wy: for the delta rules the WY preparation's `w, u` (rows like v),
     `T` (`[B, NT, HV, C, C]`) and `v_new` (rows like v), for GLA the intra-chunk matrix A
-    (`[B, NT, H, C, C]`). `arrays`: the token arrays, h0, the varlen tables."""
+    (`[B, NT, H, C, C]`). `arrays`: the token arrays, h0, the varlen tables. `l2norm` (the
+    forward from the inverse, `_folds_l2norm`): q and k raw, normalised by the kernels."""
     n = len(_token_layouts(p))
     tokens, h0, tables = arrays[:n], arrays[n], arrays[n + 1 :]
     C = p.chunk_size
@@ -269,10 +273,15 @@ def _forward(p: Problem, scale: float, store_h: bool, *arrays):
     wy = ()
     if p.delta and K in DELTA_FWD_INVERSE and not store_h:  # T0, and a state pass that forms v_new from it
         targets = _targets(p, "fwd", K, V)
-        t0 = _call(targets["inv"], jax.ShapeDtypeStruct((NT, HV, C, C), dt), kf, flat[4])
-        o, ht = _call(targets["fused_t"], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, Gf, flat[4], h0, cstart, ccount,
-                      scale=np.float32(scale))
+        t0 = jax.ShapeDtypeStruct((NT, HV, C, C), dt)
+        if l2norm:  # and 1 / |q|, 1 / |k| per chunk and value head `[NT, HV, 2, C]`, rows' factors of the state pass
+            t0, *r = _call(targets["inv_l2"], (t0, jax.ShapeDtypeStruct((NT, HV, 2, C), jnp.float32)), qf, kf, flat[4])
+        else:
+            t0, r = _call(targets["inv"], t0, kf, flat[4]), ()
+        o, ht = _call(targets["fused_t_l2" if l2norm else "fused_t"], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, Gf,
+                      flat[4], *r, h0, cstart, ccount, scale=np.float32(scale))
         return o.reshape(B, Lr, HV, V), ht
+    assert not l2norm, "only the forward from the inverse normalises q and k itself"
     if p.delta:  # WY preparation kernel; the state pass reads w and u instead of v
         tm = (jax.ShapeDtypeStruct((NT, HV, C, C), jnp.float32),) if store_h else ()
         wy = _call(_targets(p, "fwd", K, V)["wy_t" if store_h else "wy"], (_like(kf, dt, HV), _like(vf), *tm),
@@ -374,7 +383,8 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
     states whole. The module's switches are read here, so that changing them takes effect.
-    `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients."""
+    `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients;
+    the forward (`fwd`, where `_folds_l2norm`) takes the raw q and k and normalises them itself."""
     switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())))
     return _partitioned_with(p, scale, direction, varlen, l2norm, switches, VJP_PRECISION)
 
@@ -391,18 +401,26 @@ def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2
     else:
         ins = tokens + (state,) + tables
         outs = ("bthv", "bchkv") + _stored_layouts(p) + (state,) if direction == "fwd_h" else ("bthv", state)
-        fn = functools.partial(_forward, p, scale, direction == "fwd_h")
+        fn = functools.partial(_forward, p, scale, direction == "fwd_h", l2norm)
     return _partition.batch_head_partitioned(fn, ins, outs)
+
+
+def _folds_l2norm(p: Problem, K: int) -> bool:
+    """Whether the forward with no gradient normalises q and k in its kernels (the inverse and the
+    state pass from it, `inv_l2`, `fused_t_l2`), rather than after XLA's pass."""
+    return p.delta and K in DELTA_FWD_INVERSE and DELTA_L2NORM_FUSED and "inv_l2" in _targets(p, "fwd", K, K)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _op(p, scale, l2norm, *arrays):
     """`(o, ht)` from (token arrays, h0, varlen tables); gradients by the backward kernels. With
-    `l2norm` q and k (the first two arrays) are l2-normalised first."""
+    `l2norm` q and k (the first two arrays) are l2-normalised first: by the kernels where
+    `_folds_l2norm`, else by XLA."""
     n = len(_token_layouts(p))
-    if l2norm:
+    folded = l2norm and _folds_l2norm(p, arrays[0].shape[-1])
+    if l2norm and not folded:
         arrays = (*(l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in arrays[:2]), *arrays[2:])
-    return _partitioned(p, scale, "fwd", len(arrays) > n + 1)(*arrays)
+    return _partitioned(p, scale, "fwd", len(arrays) > n + 1, folded)(*arrays)
 
 
 def _op_fwd(p, scale, l2norm, *arrays):

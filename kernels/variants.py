@@ -107,6 +107,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("transposed", True)), dims=(64, 128)),
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), dims=(256,)),
+        # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
+        # (and 1 / |q| off Q Q^T's) and writes both; the state pass scales rows by them
+        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "rn"),
+                config=(("inverse_only", True), ("l2norm", True)), dims=(64, 128)),
+        Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
+                config=(("prep", True), ("transposed", True), ("l2norm", True)), dims=(64, 128)),
     ),
     ("delta", "bwd"): (
         # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit)

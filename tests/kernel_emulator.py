@@ -270,6 +270,30 @@ def delta_inv(k, beta):
     return T0.astype(k.dtype)
 
 
+def _rsqrt_norm(x, HV):
+    """1 / sqrt(|x|^2 + 1e-6) over the last axis, per value head `[L, HV]`."""
+    return jax.lax.rsqrt(jnp.sum(jnp.square(jnp.repeat(x, HV // x.shape[1], axis=1).astype(f32)), axis=-1) + 1e-6)
+
+
+def delta_inv_l2(q, k, beta):
+    """`chunk_delta_wy(inverse_only=True, l2norm=True)`: T0 of the normalised k (in float32), and
+    `[NT, HV, 2, C]`: per chunk and value head 1 / |q|, then 1 / |k|."""
+    HV = beta.shape[1]
+    rq, rk = _rsqrt_norm(q, HV), _rsqrt_norm(k, HV)
+    kn = jnp.repeat(k, HV // k.shape[1], axis=1).astype(f32) * rk[..., None]
+    per_chunk = lambda r: jnp.moveaxis(r.reshape(-1, C, HV), 1, 2)  # [L, HV] -> [NT, HV, C]
+    return delta_inv(kn, beta).astype(k.dtype), jnp.stack([per_chunk(rq), per_chunk(rk)], axis=2)
+
+
+def delta_fwd_fused_t_l2(q, k, v, t, G, beta, r, h0, cstart, ccount, *, scale):
+    """`chunk_delta_fwd_t(l2norm=True)`: `chunk_delta_fwd_t` of the raw q and k scaled by their
+    `1 / |x|` (`r [NT, HV, 2, C]`, per value head)."""
+    HV = v.shape[1]
+    rows = lambda x: jnp.moveaxis(x, 1, 2).reshape(-1, HV)  # [NT, HV, C] -> [L, HV]
+    norm = lambda x, rx: (jnp.repeat(x, HV // x.shape[1], axis=1).astype(f32) * rows(rx)[..., None]).astype(x.dtype)
+    return delta_fwd_fused_t(norm(q, r[:, :, 0]), norm(k, r[:, :, 1]), v, t, G, beta, h0, cstart, ccount, scale=scale)
+
+
 def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
     o, vn, _, ht = delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, scale=scale)
     return o, vn, ht
@@ -389,7 +413,7 @@ def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):
     return _l2norm_grad(k, rk, dk).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
-DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
+DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": delta_inv_l2, "_fused_t_l2": delta_fwd_fused_t_l2, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
                   "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg, "_dqkvg_l2": delta_bwd_dqkvg_l2,
                   "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2}
 

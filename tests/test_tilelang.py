@@ -175,16 +175,20 @@ def test_tilelang_delta_l2norm_gradient_passes(case, monkeypatch):
 @pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
 def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
     """Both forwards with no gradient, DELTA_FWD_INVERSE (the default: the gate-free inverse `inv`,
-    then `fused_t`) and without it (the WY kernel, then the state pass on w and u), against float64
-    under NaN-poisoned outputs with fla's ratio (o and ht 0.006)."""
+    then `fused_t`; with l2 normalisation at K <= 128 `inv_l2` and `fused_t_l2`, which normalise q
+    and k themselves, and also the two after XLA's normalisation) and without it (the WY kernel,
+    then the state pass on w and u), against float64 under NaN-poisoned outputs with fla's ratio
+    (o and ht 0.006)."""
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 17)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     errs = {}
-    for inverse in (True, False):
+    # (with l2 normalisation also the inverse's path with XLA's normalisation before it, not the kernels')
+    for inverse, folded, tag in ((True, True, ""), (False, True, "_wy"), (True, False, "_xla_norm"))[: 3 if case.l2norm else 2]:
         monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", variants.HEAD_DIMS if inverse else ())
+        monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", folded)
         o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
-        errs |= {f"o{'' if inverse else '_wy'}": err_ratio(ref_o, o), f"ht{'' if inverse else '_wy'}": err_ratio(ref_ht, ht)}
+        errs |= {f"o{tag}": err_ratio(ref_o, o), f"ht{tag}": err_ratio(ref_ht, ht)}
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     bad = {n: e for n, e in errs.items() if not e <= 0.006}
     assert not bad, bad
@@ -680,7 +684,10 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeyp
     # gradients by the consumer (at K <= 128) and the WY VJP where DELTA_L2NORM_FUSED and both
     # run, else by a pass each
     q_norm, k_norm = norm_fused and fused and K <= 128, norm_fused and fused and wy_kernel
-    programs = [("fwd", "inv"), ("fwd", "fused_t")] if K in tilelang_backend.DELTA_FWD_INVERSE else [("fwd", "wy"), ("fwd", "fused")]
+    if K in tilelang_backend.DELTA_FWD_INVERSE:  # (with DELTA_L2NORM_FUSED from the raw q and k)
+        programs = [("fwd", "inv_l2"), ("fwd", "fused_t_l2")] if norm_fused else [("fwd", "inv"), ("fwd", "fused_t")]
+    else:
+        programs = [("fwd", "wy"), ("fwd", "fused")]
     programs += [("fwd", "norm")] * 2 + [("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
     programs += [("bwd", "dqkvg_l2" if q_norm else "dqkvg")] * fused + [("bwd", "wy_bwd_l2" if k_norm else "wy_bwd")] * wy_kernel
     programs += [("bwd", "norm_bwd")] * (2 - q_norm - k_norm)

@@ -112,8 +112,9 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
 @pytest.mark.parametrize("case", DELTA_CASES, ids=str)
 def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypatch):
     """DELTA_FWD_INVERSE: the forward with no gradient takes the gate-free inverse (`inv`) and the
-    state pass that forms v_new from it (`fused_t`), emulated, against the float64 recurrence;
-    switched off, the WY kernel and the state pass on w and u."""
+    state pass that forms v_new from it (`fused_t`; with l2 normalisation at K <= 128 `inv_l2` and
+    `fused_t_l2` from the raw q and k), emulated, against the float64 recurrence; switched off,
+    the WY kernel and the state pass on w and u."""
     calls = []
 
     def record(target, *args, **attrs):
@@ -124,8 +125,15 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
     diff, cot = make_inputs(case, 37)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
-    for on, programs in ((True, ["inv", "fused_t"]), (False, ["wy", "fused"])):
+    # with use_qk_l2norm_in_kernel at K <= 128 the inverse and its state pass normalise q and k
+    # themselves (DELTA_L2NORM_FUSED), else XLA does before them
+    l2 = case.l2norm and case.K <= 128
+    for on, folded, programs in ((True, True, ["inv_l2", "fused_t_l2"] if l2 else ["inv", "fused_t"]), (True, False, ["inv", "fused_t"]),
+                                 (False, True, ["wy", "fused"])):
+        if not case.l2norm and not folded:
+            continue
         monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", HEAD_DIMS if on else ())
+        monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", folded)
         calls.clear()
         o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
         assert calls == programs

@@ -239,7 +239,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
 
 
 def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
-                      prep: bool = False, decay_k: bool = False, transposed: bool = False):
+                      prep: bool = False, decay_k: bool = False, transposed: bool = False, l2norm: bool = False):
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
@@ -285,7 +285,17 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     2026-12-04). Nsight Compute then found warpgroup 0 waiting for its stage's loads 16 % of its
     time (a stage is refilled only once the output warpgroup has formed that chunk's o); three
     stages (one P tile per stage, 231 KB: `transposed` frees W's and the decayed v_new's tiles)
-    measured no faster, 0.160 / 0.274 against 0.1595 / 0.265 ms (2026-12-04), and were dropped."""
+    measured no faster, 0.160 / 0.274 against 0.1595 / 0.265 ms (2026-12-04), and were dropped.
+
+    `l2norm` (with `transposed`; `use_qk_l2norm_in_kernel`): q and k arrive raw, with
+    `rn [NT, HV, 2, C]` (float32 `1 / |q|`, `1 / |k|` per chunk, from
+    `chunk_delta_wy(inverse_only=True, l2norm=True)`), one TMA box per stage (as `[L, HV]` columns
+    loaded by the loading warpgroup's threads the pass took 0.232 ms against 0.159 without l2norm at
+    4,4096,16,128: two more waits per chunk before its arrival); the normalisation becomes row
+    factors of what the pass forms anyway:
+    `U^T`'s columns and the decayed `v_new^T`'s times rk, P's rows and columns times rq and rk,
+    and the output's `exp(G)` row factor times rq (the third warpgroup writes `G + log rq` for the
+    output warpgroup with P)."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     stages = stages or (2 if K <= 128 else 1)
@@ -296,24 +306,14 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
         raise ValueError("chunk_delta_fwd_t(decay_k=True) needs prep=True")
     if transposed and (decay_k or not prep):
         raise ValueError("chunk_delta_fwd_t(transposed=True) needs prep=True and not decay_k")
+    if l2norm and not transposed:
+        raise ValueError("chunk_delta_fwd_t(l2norm=True) is written for transposed=True")
+
     st = (BV, K) if transposed else (K, BV)  # the state's tiles: S^T or S
     vt = (BV, BT) if transposed else (BT, BV)  # v_new's
 
-    @T.prim_func
-    def main(
-        q: T.Tensor((L, H, K), dtype),
-        k: T.Tensor((L, H, K), dtype),
-        v: T.Tensor((L, HV, V), dtype),
-        t: T.Tensor((NT, HV, BT, BT), dtype),
-        g: T.Tensor((L, HV), acc),
-        beta: T.Tensor((L, HV), acc),
-        h0: T.Tensor((N, HV, K, V), acc),
-        cstart: T.Tensor((N,), "int32"),
-        ccount: T.Tensor((N,), "int32"),
-        scale: T.float32,
-        o: T.Tensor((L, HV, V), dtype),
-        ht: T.Tensor((N, HV, K, V), acc),
-    ):
+    @T.macro
+    def body(q, k, v, t, g, beta, rn, h0, cstart, ccount, scale, o, ht):
         with T.Kernel(T.ceildiv(V, BV), N * HV, threads=128 * nwg) as (iv, inh):
             n = inh // HV
             ihv = inh % HV
@@ -324,6 +324,12 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 1, or 2 with prep)
             g_s = T.alloc_shared((stages, BT), acc)
             b_s = T.alloc_shared((stages, BT), acc)
+            if l2norm:
+                r_s = T.alloc_shared((stages, 2, BT), acc)  # 1 / |q|, 1 / |k|
+                gq_s = T.alloc_shared((stages, BT), acc)  # G + log rq, for the output warpgroup
+            # the row factors (1 without l2norm; functions, since TileLang makes a name bound to an expression a variable)
+            kf = (lambda slot, c: r_s[slot, 1, c]) if l2norm else (lambda slot, c: 1.0)
+            pf = (lambda slot, a, c: r_s[slot, 0, a] * r_s[slot, 1, c]) if l2norm else (lambda slot, a, c: 1.0)
             h_s0 = T.alloc_shared(st, dtype)
             h_s1 = T.alloc_shared(st, dtype)
             vn_s0 = T.alloc_shared(vt, dtype)
@@ -361,6 +367,8 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                 loads = ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
                          (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True),
                          (lambda c: g[rows(c), ihv], g_s, False), (lambda c: beta[rows(c), ihv], b_s, False))
+                if l2norm:
+                    loads = loads[:4] + ((lambda c: rn[c, ihv, 0:2, 0:BT], r_s, True),) + loads[4:]
                 stage_loads(loads, full, free, nc, stages, c0, 1)
             if prep:
                 with T.ws(2):
@@ -382,7 +390,10 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         T.clear(acc_s)
                         T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
                         for r, c in T.Parallel(BT, BT):
-                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale
+                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale * pf(slot, r, c)
+                        if l2norm:
+                            for r in T.Parallel(BT):
+                                gq_s[slot, r] = g_s[slot, r] + T.log(r_s[slot, 0, r])
                         if slot == 0:
                             T.copy(acc_s, p_s)
                         else:
@@ -409,7 +420,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 T.clear(acc_v)
                                 T.gemm(s_lo, k_s[slot, :, :], acc_v, transpose_B=True)
                                 for r, c in T.Parallel(BV, BT):
-                                    x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * T.exp(g_s[slot, c]), dtype)
+                                    x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * T.exp(g_s[slot, c]) * kf(slot, c), dtype)
                             else:  # W = v - exp(G) (k S), through shared memory
                                 T.copy(b_h, h_s)
                                 T.clear(acc_v)
@@ -432,7 +443,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 T.gemm(kd_s[slot, :, :], vn_s, b_h, transpose_A=True)
                     if transposed:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
                         for r, c in T.Parallel(BV, BT):
-                            x_t[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, c]), dtype)
+                            x_t[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, c]) * kf(slot, c), dtype)
                         for r, c in T.Parallel(BV, K):
                             b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
                         T.gemm(x_t, k_s[slot, :, :], b_h)
@@ -457,8 +468,8 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         T.barrier_wait(p_ready[slot], (i // stages) % 2)
                         for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
                             if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
-                                output_from_p(q_s, g_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready, s_free, slot, t0,
-                                              ihv, iv, scale, True, i // 2, transposed)
+                                output_from_p(q_s, gq_s if l2norm else g_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready,
+                                              s_free, slot, t0, ihv, iv, scale, True, i // 2, transposed)
             else:
                 with T.ws(1):
                     T.set_max_nreg(232, 1)
@@ -476,6 +487,45 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                             if i % 2 == j:
                                 output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i,
                                              slot, stages, t0, ihv, iv, scale, True, i // 2)
+
+    if l2norm:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            t: T.Tensor((NT, HV, BT, BT), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            rn: T.Tensor((NT, HV, 2, BT), acc),
+            h0: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, HV, V), dtype),
+            ht: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, v, t, g, beta, rn, h0, cstart, ccount, scale, o, ht)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            t: T.Tensor((NT, HV, BT, BT), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            h0: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            o: T.Tensor((L, HV, V), dtype),
+            ht: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, v, t, g, beta, None, h0, cstart, ccount, scale, o, ht)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return main.with_attr("fla.disable_shared_memory_reuse", 1)
