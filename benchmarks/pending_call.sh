@@ -5,7 +5,9 @@
 # of the raw k), timed beside the programs without it and the `norm_bwd` pass per tensor they
 # replace; `norm_bwd` now reads the stored y rather than x. Then the forward with no gradient
 # normalising q and k in its kernels (`inv_l2`: 1 / |k| off K K^T's diagonal, 1 / |q| off Q Q^T's;
-# `fused_t_l2`: rows scaled by them), timed beside `inv` and `fused_t` after XLA's pass.
+# `fused_t_l2`: rows scaled by them), timed beside `inv` and `fused_t` after XLA's pass. Then G and
+# beta as per-chunk rows `gr` that the forward-from-the-inverse pass loads by TMA (`gate_rows`),
+# timed beside the previous build's programs (copied into .prof/gen as old_*: OLD=dir).
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -19,11 +21,11 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(fla_delta_fwd_bf16_k128_v128_c64_{inv,inv_l2,fused_t,fused_t_l2,norm})
+progs=(fla_delta_fwd_bf16_k128_v128_c64_{inv,inv_l2,fused_t,fused_t_l2})
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
-  for t in "${progs[@]}"; do cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ || exit 1; done
+  for t in "${progs[@]}"; do cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ 2>/dev/null || cp "${OLD:-/nonexistent}/$t".* .prof/gen/ || exit 1; done
   exit 0
 fi
 O=${OUT:-/tmp/out}; mkdir -p "$O"

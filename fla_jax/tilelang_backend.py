@@ -215,6 +215,12 @@ def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     return targets
 
 
+def _program(p: Problem, direction: str, K: int, name: str):
+    """The dispatched `kernels.variants.Program` of one kind."""
+    variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, K)
+    return next(prog for prog in variant.programs if prog.name == name and not prog.of)
+
+
 def _value_parts(p: Problem, K: int, V: int) -> int:
     """In how many float32 parts the backward's consumer writes what sums over the key channels:
     1 (dv in the input dtype), or K / BK where it splits the key channels over programs (dv as
@@ -274,12 +280,17 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
     if p.delta and K in DELTA_FWD_INVERSE and not store_h:  # T0, and a state pass that forms v_new from it
         targets = _targets(p, "fwd", K, V)
         t0 = jax.ShapeDtypeStruct((NT, HV, C, C), dt)
-        if l2norm:  # and 1 / |q|, 1 / |k| per chunk and value head `[NT, HV, 2, C]`, rows' factors of the state pass
-            t0, *r = _call(targets["inv_l2"], (t0, jax.ShapeDtypeStruct((NT, HV, 2, C), jnp.float32)), qf, kf, flat[4])
+        rows = lambda R: jax.ShapeDtypeStruct((NT, HV, R, C), jnp.float32)
+        if l2norm:  # G, beta, 1 / |q|, 1 / |k| per chunk and value head, rows that the state pass loads
+            t0, gr = _call(targets["inv_l2"], (t0, rows(4)), qf, kf, Gf, flat[4])
+            gates = (gr,)
+        elif "gr" in _program(p, "fwd", K, "inv").outputs:  # G and beta as rows
+            t0, gr = _call(targets["inv"], (t0, rows(2)), kf, Gf, flat[4])
+            gates = (gr,)
         else:
-            t0, r = _call(targets["inv"], t0, kf, flat[4]), ()
-        o, ht = _call(targets["fused_t_l2" if l2norm else "fused_t"], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, Gf,
-                      flat[4], *r, h0, cstart, ccount, scale=np.float32(scale))
+            t0, gates = _call(targets["inv"], t0, kf, flat[4]), (Gf, flat[4])
+        o, ht = _call(targets["fused_t_l2" if l2norm else "fused_t"], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, *gates,
+                      h0, cstart, ccount, scale=np.float32(scale))
         return o.reshape(B, Lr, HV, V), ht
     assert not l2norm, "only the forward from the inverse normalises q and k itself"
     if p.delta:  # WY preparation kernel; the state pass reads w and u instead of v
@@ -294,8 +305,9 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
                               _like(kf)), qf, kf, Gf, scale=np.float32(scale))
         ins, extra = (qg, kg, vf, Gf, a), ()
         wy = (a.reshape(B, NT // B, *a.shape[1:]), Gf.reshape(B, Lr, *Gf.shape[1:]), qg.reshape(B, Lr, *qg.shape[1:])) if store_h else ()
-    else:
-        ins, extra = (qf, kf, vf, Gf), ()
+    else:  # simple GLA: G as per-chunk rows `[NT, H, C]` where the pass loads them by TMA (`g_rows`)
+        rows = dict(_program(p, "fwd", K, "fused_h" if store_h else "fused").config).get("g_rows")
+        ins, extra = (qf, kf, vf, Gf.reshape(NT, C, -1).transpose(0, 2, 1) if rows else Gf), ()
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
     out = _call(
         _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],

@@ -77,12 +77,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # stages (0.073 against 0.089 ms with two at 8,2048,16,64 bf16, H200, 2026-12-03; at K = 128
         # 0.1004 / 0.1823 against 0.1025 / 0.1844 at 4,4096,16,128 / 2,8192,16,128, 2026-12-04, ten
         # launches a sample, interleaved)
-        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("stages", 3),),
+        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("g_rows", True), ("stages", 3),),
                 dims=(64, 128)),
-        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,)),
-        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"), config=(("store_h", True),),
+        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=(("g_rows", True),)),
+        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"), config=(("g_rows", True), ("store_h", True),),
                 dims=(128,)),
-        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),),
+        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("g_rows", True), ("store_h", True),),
                 dims=(64, 256)),
     ),
     ("delta", "fwd"): (
@@ -95,7 +95,11 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("store_h", True),)),
         # the forward with no gradient under DELTA_FWD_INVERSE: the gate-free inverse alone, then a state
         # pass that forms v_new from it with no w and u (jla's fused_fwd_wy)
-        Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t",), config=(("inverse_only", True),)),
+        # (at K <= 128 also writing G and beta as the rows of `gr [NT, HV, 2, C]`, which the state pass loads by
+        # TMA with its stage instead of as columns by the loading warpgroup's threads)
+        Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
+                config=(("inverse_only", True), ("gate_rows", True)), dims=(64, 128)),
+        Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t",), config=(("inverse_only", True),), dims=(256,)),
         # with a fourth warpgroup forming the decay matrix, Ag and P (`prep`) at K <= 128: 0.175 / 0.345 ms
         # against 0.193 / 0.385 in three warpgroups at 4,4096,16,128 / 2,8192,16,128 (bf16, H200,
         # 2026-12-04, ten launches a sample, interleaved), the same bits; at K = 256 the state's registers
@@ -105,14 +109,14 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # same bits (2026-12-04). (With three warpgroups, 2026-12-03, S^T gained nothing: the output
         # warpgroup bounded that pass.)
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("transposed", True)), dims=(64, 128)),
+                config=(("prep", True), ("transposed", True), ("gate_rows", True)), dims=(64, 128)),
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), dims=(256,)),
         # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
-        # (and 1 / |q| off Q Q^T's) and writes both; the state pass scales rows by them
-        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "rn"),
-                config=(("inverse_only", True), ("l2norm", True)), dims=(64, 128)),
+        # (and 1 / |q| off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them
+        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
+                config=(("inverse_only", True), ("gate_rows", True), ("l2norm", True)), dims=(64, 128)),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("transposed", True), ("l2norm", True)), dims=(64, 128)),
+                config=(("prep", True), ("transposed", True), ("gate_rows", True), ("l2norm", True)), dims=(64, 128)),
     ),
     ("delta", "bwd"): (
         # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit)
@@ -240,16 +244,16 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # H200, 2026-12-04): the fourth warpgroup becomes the bound (warpgroup 0 waits on Ag for 22 % of its
         # stall samples, the output warpgroup on P for 64 %). (With P left to the output warpgroup, its own
         # fragment, 0.184 / 0.346: not kept.)
-        Program(name="x_fused_t_3wg", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
+        # (The three-warpgroup pass, x_fused_t_3wg, left with gate_rows: it loads G and beta as columns.)
         Program(name="x_fused_t_kd", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("decay_k", True))),
+                config=(("prep", True), ("decay_k", True), ("gate_rows", True))),
         # (Tried, not kept: warpgroup 0 reading its v^T into registers before its first GEMM, so that the
         # transposed two-byte loads overlap the GEMM: 0.165 / 0.289 ms against 0.159 / 0.270; the fourth
         # warpgroup forming exp(G) and exp(G_C - G) for it, 0.159 / 0.283 against 0.160 / 0.269; three load
         # stages, one P tile each, 0.160 / 0.274 against 0.1595 / 0.265, 2026-12-04.)
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True),)),
+                config=(("prep", True), ("gate_rows", True))),
     ),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)
@@ -268,37 +272,37 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # where 64 programs leave half the GPU idle; the output's two GEMMs in flight together with P in
     # registers, 0.135 against 0.139.)
     ("simple_gla", "fwd", "bf16", 128): (
-        Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht")),
+        Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht"), config=(("g_rows", True),)),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
-                config=(("store_h", True),)),
-        Program(name="x_fused_bv128", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
-        Program(name="x_fused_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("stages", 3),)),
-        Program(name="x_fused_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("stages", 4),)),
+                config=(("g_rows", True), ("store_h", True),)),
+        Program(name="x_fused_bv128", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True), ("BV", 128),)),
+        Program(name="x_fused_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True), ("stages", 3),)),
+        Program(name="x_fused_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True), ("stages", 4),)),
         # one output warpgroup (dispatched before)
-        Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
+        Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True),)),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
-                config=(("store_h", True),)),
+                config=(("g_rows", True), ("store_h", True),)),
         # two output warpgroups with two stages (the forward dispatched before 2026-12-04) and, storing h, three
         # (193 KB of shared memory): 0.152 against 0.149 ms dispatched at 4,4096,16,128, 0.213 against 0.217 at
         # 2,8192,16,128 (bf16, H200, 2026-12-03, one launch a sample): within noise, not kept
-        Program(name="x_fused_2out_s2", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht")),
+        Program(name="x_fused_2out_s2", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("g_rows", True),)),
         Program(name="x_fused_h_2out_s3", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
-                config=(("store_h", True), ("stages", 3))),
+                config=(("g_rows", True), ("store_h", True), ("stages", 3))),
     ),
     # at K = 64 too (0.099 against 0.063 ms for the warp-specialized pass at 8,2048,16,64)
     ("simple_gla", "fwd", "bf16", 64): (
-        Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht")),
+        Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht"), config=(("g_rows", True),)),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
-                config=(("store_h", True),)),
+                config=(("g_rows", True), ("store_h", True),)),
         # one output warpgroup in the forward (dispatched before); two under a gradient (slower here)
-        Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht")),
+        Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True),)),
         Program(name="x_fused_h_2out", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
-                config=(("store_h", True),)),
+                config=(("g_rows", True), ("store_h", True),)),
         # two output warpgroups with two (dispatched before) and four stages (0.089 and 0.073 ms against
         # 0.073 for three at 8,2048,16,64 bf16, H200, 2026-12-03)
-        Program(name="x_fused_2out_s2", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht")),
+        Program(name="x_fused_2out_s2", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("g_rows", True),)),
         Program(name="x_fused_2out_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(("stages", 4),)),
+                config=(("g_rows", True), ("stages", 4),)),
     ),
     # the state-gradient pass in one warpgroup (the default before), and so with K split in two
     # (twice the programs; dispatched for grids of at most 66 programs before the warp-specialized pass).

@@ -84,6 +84,9 @@ def _fwd_o(q, k, v, G, h, *, scale):
 
 
 def fwd_fused_h(q, k, v, G, h0, cstart, ccount, *, scale):
+    """kernels/simple_gla/fwd.py: o, h, ht; G `[L, H]`, or with `g_rows` per-chunk rows `[NT, H, C]`."""
+    if G.ndim == 3:
+        G = jnp.moveaxis(G, 1, 2).reshape(-1, G.shape[1])
     h, ht = _scan_states(k, v, G, h0, cstart, ccount)
     h = _unwritten(h.astype(q.dtype), cstart, ccount, False)
     return _unwritten(_fwd_o(q, k, v, G, h, scale=scale), cstart, ccount, True), h, ht
@@ -243,10 +246,25 @@ def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
     return _delta_states(q, k, G, h0, cstart, ccount, scale=scale, v_new=v_new)
 
 
-def delta_fwd_fused_t(q, k, v, t, G, beta, h0, cstart, ccount, *, scale):
+def _rows_to_columns(x):
+    """`[NT, HV, C]` per-chunk rows -> `[L, HV]`."""
+    return jnp.moveaxis(x, 1, 2).reshape(-1, x.shape[1])
+
+
+def _columns_to_rows(x):
+    """`[L, HV]` -> `[NT, HV, C]` per-chunk rows."""
+    return jnp.moveaxis(x.reshape(-1, C, x.shape[1]), 1, 2)
+
+
+def delta_fwd_fused_t(q, k, v, t, *rest, scale):
     """kernels/delta/fwd.py `chunk_delta_fwd_t`: o, ht from the gate-free inverse T0, with
     `Ag = T0 * exp(G_i - G_j) * beta_j` and `W = v - exp(G) * (k S)` in the input dtype,
-    `v_new = Ag W`."""
+    `v_new = Ag W`. `rest`: G, beta, h0, cstart, ccount, or with `gate_rows` gr (G and beta as
+    `[NT, HV, 2, C]` rows), h0, cstart, ccount."""
+    if len(rest) == 4:
+        gr, *rest = rest
+        rest = (_rows_to_columns(gr[:, :, 0]), _rows_to_columns(gr[:, :, 1]), *rest)
+    G, beta, h0, cstart, ccount = rest
     HV, dt = v.shape[1], q.dtype
     kc, vc, Gc, bc = (_chunks(x)[0] for x in (jnp.repeat(k, HV // k.shape[1], axis=1), v, G, beta))
     lower = jnp.tril(jnp.ones((C, C), bool))[None, :, :, None]
@@ -262,11 +280,15 @@ def delta_fwd_fused_t(q, k, v, t, G, beta, h0, cstart, ccount, *, scale):
     return o, ht
 
 
-def delta_inv(k, beta):
+def delta_inv(k, *gates):
     """kernels/delta/wy.py `chunk_delta_wy(inverse_only=True)`: the gate-free
-    `T0 = (I + tril(Diag(beta) K K^T, -1))^{-1}` `[NT, HV, C, C]` in the input dtype."""
+    `T0 = (I + tril(Diag(beta) K K^T, -1))^{-1}` `[NT, HV, C, C]` in the input dtype; `gates`:
+    beta, or with `gate_rows` G, beta, and then also G and beta as rows `gr [NT, HV, 2, C]`."""
+    beta = gates[-1]
     HV = beta.shape[1]
     _, _, T0 = _wy(jnp.repeat(k, HV // k.shape[1], axis=1), jnp.zeros((*beta.shape, 1), f32), jnp.zeros(beta.shape, f32), beta)
+    if len(gates) == 2:
+        return T0.astype(k.dtype), jnp.stack([_columns_to_rows(x) for x in gates], axis=2)
     return T0.astype(k.dtype)
 
 
@@ -275,23 +297,21 @@ def _rsqrt_norm(x, HV):
     return jax.lax.rsqrt(jnp.sum(jnp.square(jnp.repeat(x, HV // x.shape[1], axis=1).astype(f32)), axis=-1) + 1e-6)
 
 
-def delta_inv_l2(q, k, beta):
-    """`chunk_delta_wy(inverse_only=True, l2norm=True)`: T0 of the normalised k (in float32), and
-    `[NT, HV, 2, C]`: per chunk and value head 1 / |q|, then 1 / |k|."""
+def delta_inv_l2(q, k, G, beta):
+    """`chunk_delta_wy(inverse_only=True, gate_rows=True, l2norm=True)`: T0 of the normalised k (in
+    float32), and `gr [NT, HV, 4, C]`: per chunk and value head G, beta, 1 / |q|, 1 / |k|."""
     HV = beta.shape[1]
     rq, rk = _rsqrt_norm(q, HV), _rsqrt_norm(k, HV)
     kn = jnp.repeat(k, HV // k.shape[1], axis=1).astype(f32) * rk[..., None]
-    per_chunk = lambda r: jnp.moveaxis(r.reshape(-1, C, HV), 1, 2)  # [L, HV] -> [NT, HV, C]
-    return delta_inv(kn, beta).astype(k.dtype), jnp.stack([per_chunk(rq), per_chunk(rk)], axis=2)
+    return delta_inv(kn, beta).astype(k.dtype), jnp.stack([_columns_to_rows(x) for x in (G, beta, rq, rk)], axis=2)
 
 
-def delta_fwd_fused_t_l2(q, k, v, t, G, beta, r, h0, cstart, ccount, *, scale):
-    """`chunk_delta_fwd_t(l2norm=True)`: `chunk_delta_fwd_t` of the raw q and k scaled by their
-    `1 / |x|` (`r [NT, HV, 2, C]`, per value head)."""
+def delta_fwd_fused_t_l2(q, k, v, t, gr, h0, cstart, ccount, *, scale):
+    """`chunk_delta_fwd_t(gate_rows=True, l2norm=True)`: `chunk_delta_fwd_t` of the raw q and k
+    scaled by their `1 / |x|` (rows 2 and 3 of `gr`, per value head)."""
     HV = v.shape[1]
-    rows = lambda x: jnp.moveaxis(x, 1, 2).reshape(-1, HV)  # [NT, HV, C] -> [L, HV]
-    norm = lambda x, rx: (jnp.repeat(x, HV // x.shape[1], axis=1).astype(f32) * rows(rx)[..., None]).astype(x.dtype)
-    return delta_fwd_fused_t(norm(q, r[:, :, 0]), norm(k, r[:, :, 1]), v, t, G, beta, h0, cstart, ccount, scale=scale)
+    norm = lambda x, rx: (jnp.repeat(x, HV // x.shape[1], axis=1).astype(f32) * _rows_to_columns(rx)[..., None]).astype(x.dtype)
+    return delta_fwd_fused_t(norm(q, gr[:, :, 2]), norm(k, gr[:, :, 3]), v, t, gr[:, :, :2], h0, cstart, ccount, scale=scale)
 
 
 def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):

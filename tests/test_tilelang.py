@@ -230,7 +230,9 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
         scale = {"scale": np.float32(D**-0.5)}
         if op == "simple_gla":
-            return (like(v), *h, like(h0)), (q, k, v, G, h0, cstart, ccount), scale
+            prog = next(p for p in variants.find(op, "fwd", dtype, D, D).programs if p.name == name)
+            g = jnp.moveaxis(G.reshape(NT, 64, H), 1, 2) if dict(prog.config).get("g_rows") else G  # per-chunk rows
+            return (like(v), *h, like(h0)), (q, k, v, g, h0, cstart, ccount), scale
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)  # w, u: T (k beta e^G) and T (v beta) in scale
         return (like(v), like(v), *h, like(h0)), (q, k, w, v, G, h0, cstart, ccount), scale
@@ -238,7 +240,11 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         q, k, v, h0 = x(L, H, D), unit(x(L, H, D)), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         t = (jnp.tril(jnp.asarray(rng.standard_normal((NT, H, 64, 64)) * 0.1, jnp.float32), -1) + jnp.eye(64)).astype(dtype)
         beta = jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
-        return (like(v), like(h0)), (q, k, v, t, G, beta, h0, cstart, ccount), {"scale": np.float32(D**-0.5)}
+        prog = next(p for p in variants.find("delta", "fwd", dtype, D, D).programs if p.name == "fused_t")
+        gates = (G, beta)
+        if dict(prog.config).get("gate_rows"):  # G and beta as rows [NT, H, 2, 64]
+            gates = (jnp.stack([jnp.moveaxis(a.reshape(NT, 64, H), 1, 2) for a in gates], axis=2),)
+        return (like(v), like(h0)), (q, k, v, t, *gates, h0, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if (op, name) == ("delta", "dh"):  # the reverse pass, 2 sequences; k unit rows, w as T (k beta e^G) in scale
         q, k, do, dht = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         k = unit(k)

@@ -239,7 +239,8 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
 
 
 def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
-                      prep: bool = False, decay_k: bool = False, transposed: bool = False, l2norm: bool = False):
+                      prep: bool = False, decay_k: bool = False, transposed: bool = False, l2norm: bool = False,
+                      gate_rows: bool = False):
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
@@ -287,12 +288,15 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     stages (one P tile per stage, 231 KB: `transposed` frees W's and the decayed v_new's tiles)
     measured no faster, 0.160 / 0.274 against 0.1595 / 0.265 ms (2026-12-04), and were dropped.
 
-    `l2norm` (with `transposed`; `use_qk_l2norm_in_kernel`): q and k arrive raw, with
-    `rn [NT, HV, 2, C]` (float32 `1 / |q|`, `1 / |k|` per chunk, from
-    `chunk_delta_wy(inverse_only=True, l2norm=True)`), one TMA box per stage (as `[L, HV]` columns
-    loaded by the loading warpgroup's threads the pass took 0.232 ms against 0.159 without l2norm at
-    4,4096,16,128: two more waits per chunk before its arrival); the normalisation becomes row
-    factors of what the pass forms anyway:
+    `gate_rows` (with `prep`): G and beta arrive per chunk as the rows of `gr [NT, HV, R, C]`
+    (float32, written by `chunk_delta_wy(inverse_only=True, gate_rows=True)`), one TMA box per stage,
+    instead of `[L, HV]` columns that the loading warpgroup's threads load (each such load delays
+    the stage's arrival); the third warpgroup writes the output warpgroup's `exp(G)` exponent.
+
+    `l2norm` (with `transposed` and `gate_rows`; `use_qk_l2norm_in_kernel`): q and k arrive raw,
+    `gr` has two more rows, `1 / |q|` and `1 / |k|` (R = 4; two more `[L, HV]` columns loaded by the
+    loading warpgroup's threads made the pass 0.232 ms against 0.159 without l2norm at
+    4,4096,16,128); the normalisation becomes row factors of what the pass forms anyway:
     `U^T`'s columns and the decayed `v_new^T`'s times rk, P's rows and columns times rq and rk,
     and the output's `exp(G)` row factor times rq (the third warpgroup writes `G + log rq` for the
     output warpgroup with P)."""
@@ -306,14 +310,17 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
         raise ValueError("chunk_delta_fwd_t(decay_k=True) needs prep=True")
     if transposed and (decay_k or not prep):
         raise ValueError("chunk_delta_fwd_t(transposed=True) needs prep=True and not decay_k")
-    if l2norm and not transposed:
-        raise ValueError("chunk_delta_fwd_t(l2norm=True) is written for transposed=True")
+    if l2norm and not (transposed and gate_rows):
+        raise ValueError("chunk_delta_fwd_t(l2norm=True) is written for transposed=True, gate_rows=True")
+    if gate_rows and not prep:
+        raise ValueError("chunk_delta_fwd_t(gate_rows=True) needs prep=True")
+    R = 4 if l2norm else 2  # gate_rows: G, beta (, 1 / |q|, 1 / |k|)
 
     st = (BV, K) if transposed else (K, BV)  # the state's tiles: S^T or S
     vt = (BV, BT) if transposed else (BT, BV)  # v_new's
 
     @T.macro
-    def body(q, k, v, t, g, beta, rn, h0, cstart, ccount, scale, o, ht):
+    def body(q, k, v, t, g, beta, gr, h0, cstart, ccount, scale, o, ht):
         with T.Kernel(T.ceildiv(V, BV), N * HV, threads=128 * nwg) as (iv, inh):
             n = inh // HV
             ihv = inh % HV
@@ -322,14 +329,20 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             k_s = T.alloc_shared((stages, BT, K), dtype)
             v_s = T.alloc_shared((stages, BT, BV), dtype)
             t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 1, or 2 with prep)
-            g_s = T.alloc_shared((stages, BT), acc)
-            b_s = T.alloc_shared((stages, BT), acc)
-            if l2norm:
-                r_s = T.alloc_shared((stages, 2, BT), acc)  # 1 / |q|, 1 / |k|
-                gq_s = T.alloc_shared((stages, BT), acc)  # G + log rq, for the output warpgroup
-            # the row factors (1 without l2norm; functions, since TileLang makes a name bound to an expression a variable)
-            kf = (lambda slot, c: r_s[slot, 1, c]) if l2norm else (lambda slot, c: 1.0)
-            pf = (lambda slot, a, c: r_s[slot, 0, a] * r_s[slot, 1, c]) if l2norm else (lambda slot, a, c: 1.0)
+            # G, beta and the row factors of l2norm (1 without; functions, since TileLang makes a name bound to an
+            # expression a variable)
+            if gate_rows:
+                gr_s = T.alloc_shared((stages, R, BT), acc)
+                gq_s = T.alloc_shared((stages, BT), acc)  # G (+ log 1 / |q|), the output warpgroup's exponent
+                G = lambda slot, x: gr_s[slot, 0, x]
+                Bt = lambda slot, x: gr_s[slot, 1, x]
+            else:
+                g_s = T.alloc_shared((stages, BT), acc)
+                b_s = T.alloc_shared((stages, BT), acc)
+                G = lambda slot, x: g_s[slot, x]
+                Bt = lambda slot, x: b_s[slot, x]
+            kf = (lambda slot, c: gr_s[slot, 3, c]) if l2norm else (lambda slot, c: 1.0)
+            pf = (lambda slot, a, c: gr_s[slot, 2, a] * gr_s[slot, 3, c]) if l2norm else (lambda slot, a, c: 1.0)
             h_s0 = T.alloc_shared(st, dtype)
             h_s1 = T.alloc_shared(st, dtype)
             vn_s0 = T.alloc_shared(vt, dtype)
@@ -365,10 +378,11 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             with T.ws(nwg - 1):
                 rows = lambda c: slice(c * BT, c * BT + BT)
                 loads = ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
-                         (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True),
-                         (lambda c: g[rows(c), ihv], g_s, False), (lambda c: beta[rows(c), ihv], b_s, False))
-                if l2norm:
-                    loads = loads[:4] + ((lambda c: rn[c, ihv, 0:2, 0:BT], r_s, True),) + loads[4:]
+                         (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True))
+                if gate_rows:
+                    loads += ((lambda c: gr[c, ihv, 0:R, 0:BT], gr_s, True),)
+                else:
+                    loads += ((lambda c: g[rows(c), ihv], g_s, False), (lambda c: beta[rows(c), ihv], b_s, False))
                 stage_loads(loads, full, free, nc, stages, c0, 1)
             if prep:
                 with T.ws(2):
@@ -378,22 +392,22 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         T.barrier_wait(full[slot], (i // stages) % 2)
                         T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers
                         for r, c in T.Parallel(BT, BT):
-                            acc_d[r, c] = T.if_then_else(r >= c, T.exp(g_s[slot, r] - g_s[slot, c]), 0.0)
+                            acc_d[r, c] = T.if_then_else(r >= c, T.exp(G(slot, r) - G(slot, c)), 0.0)
                         for r, c in T.Parallel(BT, BT):
-                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * b_s[slot, c]
+                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * Bt(slot, c)
                         T.copy(acc_s, t_s[slot, :, :])
                         if decay_k:
                             for r, c in T.Parallel(BT, K):
-                                kd_s[slot, r, c] = T.cast(T.cast(k_s[slot, r, c], acc) * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                                kd_s[slot, r, c] = T.cast(T.cast(k_s[slot, r, c], acc) * T.exp(G(slot, BT - 1) - G(slot, r)), dtype)
                         T.fence_proxy_async()
                         T.barrier_arrive(ag_ready[slot])
                         T.clear(acc_s)
                         T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
                         for r, c in T.Parallel(BT, BT):
                             acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale * pf(slot, r, c)
-                        if l2norm:
+                        if gate_rows:  # the output warpgroup's exponent, G (+ log 1 / |q|)
                             for r in T.Parallel(BT):
-                                gq_s[slot, r] = g_s[slot, r] + T.log(r_s[slot, 0, r])
+                                gq_s[slot, r] = G(slot, r) + (T.log(gr_s[slot, 2, r]) if l2norm else 0.0)
                         if slot == 0:
                             T.copy(acc_s, p_s)
                         else:
@@ -420,13 +434,13 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 T.clear(acc_v)
                                 T.gemm(s_lo, k_s[slot, :, :], acc_v, transpose_B=True)
                                 for r, c in T.Parallel(BV, BT):
-                                    x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * T.exp(g_s[slot, c]) * kf(slot, c), dtype)
+                                    x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * T.exp(G(slot, c)) * kf(slot, c), dtype)
                             else:  # W = v - exp(G) (k S), through shared memory
                                 T.copy(b_h, h_s)
                                 T.clear(acc_v)
                                 T.gemm(k_s[slot, :, :], h_s, acc_v)
                                 for r, c in T.Parallel(BT, BV):
-                                    acc_v[r, c] = T.cast(v_s[slot, r, c], acc) - acc_v[r, c] * T.exp(g_s[slot, r])
+                                    acc_v[r, c] = T.cast(v_s[slot, r, c], acc) - acc_v[r, c] * T.exp(G(slot, r))
                                 T.copy(acc_v, w_s)
                             T.barrier_wait(ag_ready[slot], (i // stages) % 2)
                             T.clear(acc_v)
@@ -439,19 +453,19 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                             T.barrier_arrive(s_ready[0])
                             if decay_k:  # S <- exp(G_C) S + kd^T v_new, from the published v_new
                                 for r, c in T.Parallel(K, BV):
-                                    b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                                    b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                                 T.gemm(kd_s[slot, :, :], vn_s, b_h, transpose_A=True)
                     if transposed:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
                         for r, c in T.Parallel(BV, BT):
-                            x_t[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, c]) * kf(slot, c), dtype)
+                            x_t[r, c] = T.cast(acc_v[r, c] * T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c), dtype)
                         for r, c in T.Parallel(BV, K):
-                            b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                            b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                         T.gemm(x_t, k_s[slot, :, :], b_h)
                     elif not decay_k:
                         for r, c in T.Parallel(BT, BV):
-                            vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                            vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(G(slot, BT - 1) - G(slot, r)), dtype)
                         for r, c in T.Parallel(K, BV):
-                            b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                            b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                         T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
                     T.barrier_arrive(free[slot])
                 if transposed:
@@ -468,7 +482,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         T.barrier_wait(p_ready[slot], (i // stages) % 2)
                         for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
                             if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
-                                output_from_p(q_s, gq_s if l2norm else g_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready,
+                                output_from_p(q_s, gq_s if gate_rows else g_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready,
                                               s_free, slot, t0, ihv, iv, scale, True, i // 2, transposed)
             else:
                 with T.ws(1):
@@ -479,7 +493,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         T.barrier_wait(full[slot], (i // stages) % 2)
                         T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers (acc_s is free until P)
                         for r, c in T.Parallel(BT, BT):
-                            acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * b_s[slot, c], 0.0)
+                            acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(G(slot, r) - G(slot, c)) * Bt(slot, c), 0.0)
                         T.copy(acc_s, t_s[slot, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(ag_ready[slot])
@@ -488,7 +502,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i,
                                              slot, stages, t0, ihv, iv, scale, True, i // 2)
 
-    if l2norm:
+    if gate_rows:
 
         @T.prim_func
         def main(
@@ -496,9 +510,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, HV, V), dtype),
             t: T.Tensor((NT, HV, BT, BT), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
-            rn: T.Tensor((NT, HV, 2, BT), acc),
+            gr: T.Tensor((NT, HV, R, BT), acc),
             h0: T.Tensor((N, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
@@ -506,7 +518,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             o: T.Tensor((L, HV, V), dtype),
             ht: T.Tensor((N, HV, K, V), acc),
         ):
-            body(q, k, v, t, g, beta, rn, h0, cstart, ccount, scale, o, ht)
+            body(q, k, v, t, None, None, gr, h0, cstart, ccount, scale, o, ht)
 
     else:
 

@@ -40,7 +40,7 @@ def _hi_lo(BT: int, dtype: str, *, scaled: bool):
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
                    blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
                    late_v: bool | None = None, warp_diagonal: bool = True, tma_loads: bool = True,
-                   tma_stores: bool = True, inverse_only: bool = False, l2norm: bool = False):
+                   tma_stores: bool = True, inverse_only: bool = False, l2norm: bool = False, gate_rows: bool = False):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -73,12 +73,14 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     (`T0 [NT, HV, C, C]`, zero above the diagonal; fla's and jla's forwards keep their inverse in
     the input dtype too); no v, no gates, no w and u. The gated inverse is
     `T = T0 * exp(G_i - G_j)` (`T = D T0 D^-1` with `D = Diag(exp(G))`), which the state pass forms.
-    `l2norm` (with `inverse_only`; `use_qk_l2norm_in_kernel` with no gradient): from the raw q and
+    `gate_rows` (with `inverse_only`): also reads G and writes the chunk's G and beta as the rows of
+    `gr [NT, HV, R, C]` (float32) for the state pass to load by TMA (`chunk_delta_fwd_t(gate_rows=True)`).
+    `l2norm` (with `gate_rows`; `use_qk_l2norm_in_kernel` with no gradient): from the raw q and
     k, T0 of the normalised k, `K K^T` scaled by `r_i r_j` with `r = 1 / sqrt(|k|^2 + 1e-6)` read
-    off its own diagonal, and `rn [NT, HV, 2, C]` (float32: the chunk's `1 / |q|` (off `Q Q^T`'s
-    diagonal), then its `1 / |k|`, per value head; one TMA box per chunk) for the state pass, which
-    scales its rows by them (`chunk_delta_fwd_t(l2norm=True)`): no normalised copy of q and k in
-    HBM (XLA's pass took 0.06 ms of the 0.33 of a GDN forward at 4,4096,16,128)."""
+    off its own diagonal, and two more rows of `gr` (R = 4): the chunk's `1 / |q|` (off `Q Q^T`'s
+    diagonal), then its `1 / |k|`, per value head, by which the state pass scales its rows
+    (`chunk_delta_fwd_t(l2norm=True)`): no normalised copy of q and k in HBM (XLA's pass took
+    0.06 ms of the 0.33 of a GDN forward at 4,4096,16,128)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (128 if inverse_only or max(K, V) <= 128 else 256)
@@ -94,7 +96,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     assert not blocked or (BT == 64 and (threads == 128 or (threads == 256 and warp_diagonal))), \
         "the blocked inverse is written for BT = 64, 128 threads (or 256 with warp_diagonal)"
     assert not merged or (BT == 64 and threads == 128), "the merged inverse is written for BT = 64, 128 threads"
-    assert not l2norm or inverse_only, "l2norm is written for the inverse alone"
+    assert not l2norm or gate_rows, "l2norm is written for gate_rows"
+    assert not gate_rows or inverse_only, "gate_rows is written for the inverse alone"
 
     @T.macro
     def diagonal_columns(m_s, col, o, pp, cc):
@@ -216,7 +219,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     split = _hi_lo(BT, dtype, scaled=True)
 
     @T.macro
-    def body(k, v, g, beta, w, u, t, q=None, rn=None):
+    def body(k, v, g, beta, w, u, t, qx=None, rn=None):
         with T.Kernel(T.ceildiv(L, BT), HV, threads=threads) as (ic, ihv):
             ih = ihv // (HV // H)
             t0 = ic * BT
@@ -230,6 +233,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             if l2norm:
                 q_s = T.alloc_shared((BT, K), dtype)
                 r_s = T.alloc_shared((BT,), acc)
+            if gate_rows:
+                gi_s = T.alloc_shared((BT,), acc)
             if not inverse_only:
                 v_s = T.alloc_shared((BT, V), dtype)
                 lo_s = T.alloc_shared((BT, BT), dtype)
@@ -245,7 +250,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                     T.tma_copy(v[t0 : t0 + BT, ihv, 0:V], v_s, barrier=kv_full[1])
                     arrive_once(kv_full, 1)
                 if l2norm:
-                    T.tma_copy(q[t0 : t0 + BT, ih, 0:K], q_s, barrier=kv_full[1])
+                    T.tma_copy(qx[t0 : t0 + BT, ih, 0:K], q_s, barrier=kv_full[1])
                     arrive_once(kv_full, 1)
             else:
                 T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
@@ -254,6 +259,11 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             if not inverse_only:
                 T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
+            if gate_rows:  # G and beta as rows of gr
+                T.copy(g[t0 : t0 + BT, ihv], gi_s, disable_tma=True)
+                for a in T.Parallel(BT):
+                    rn[ic, ihv, 0, a] = gi_s[a]
+                    rn[ic, ihv, 1, a] = b_s[a]
             if tma_loads:
                 T.barrier_wait(kv_full[0], 0)
             T.clear(acc_a)
@@ -268,7 +278,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 T.sync_threads()
                 decay = lambda a, b: r_s[a] * r_s[b]
                 for a in T.Parallel(BT):
-                    rn[ic, ihv, 1, a] = r_s[a]
+                    rn[ic, ihv, 3, a] = r_s[a]
             for a, b in T.Parallel(BT, BT):
                 m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
             if l2norm:  # and 1 / |q| off the diagonal of Q Q^T
@@ -277,7 +287,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 T.gemm(q_s, q_s, acc_a, transpose_B=True)
                 for a, b in T.Parallel(BT, BT):
                     if a == b:
-                        rn[ic, ihv, 0, a] = T.rsqrt(acc_a[a, b] + 1e-6)
+                        rn[ic, ihv, 2, a] = T.rsqrt(acc_a[a, b] + 1e-6)
             if merged:
                 bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
                 xh_s = T.alloc_shared((BT, BT), "bfloat16")
@@ -348,11 +358,26 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
         def main(
             q: T.Tensor((L, H, K), dtype),
             k: T.Tensor((L, H, K), dtype),
+            g: T.Tensor((L, HV), acc),
             beta: T.Tensor((L, HV), acc),
             t: T.Tensor((NT, HV, BT, BT), dtype),
-            rn: T.Tensor((NT, HV, 2, BT), acc),
+            gr: T.Tensor((NT, HV, 4, BT), acc),
         ):
-            body(k, None, None, beta, None, None, t, q, rn)
+            body(k, None, g, beta, None, None, t, q, gr)
+
+        return main
+
+    if inverse_only and gate_rows:
+
+        @T.prim_func
+        def main(
+            k: T.Tensor((L, H, K), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            t: T.Tensor((NT, HV, BT, BT), dtype),
+            gr: T.Tensor((NT, HV, 2, BT), acc),
+        ):
+            body(k, None, g, beta, None, None, t, None, gr)
 
         return main
 
