@@ -105,7 +105,8 @@ def _expr(s, dims):
                     {"floordiv": lambda a, b: a // b, "int": int}, dims))
 
 
-def _fill(name, dtype, shape, rng, T):
+def _fill(name, dtype, shape, rng, T, per_chunk=False):
+    """Random contents of one parameter; `per_chunk`: its first dim is the chunk index (`NT`)."""
     n = int(np.prod(shape)) if shape else 1
     if name == "cstart":
         return np.arange(shape[0], dtype=np.int32) * (T // 64)
@@ -113,6 +114,8 @@ def _fill(name, dtype, shape, rng, T):
         return np.full(shape, T // 64, np.int32)
     if dtype == "int32":
         return np.zeros(shape, np.int32)
+    if name == "g" and per_chunk and dtype == "float32":  # the same as per-chunk rows [NT, H, 64]
+        return np.cumsum(-np.abs(rng.standard_normal(shape)) * 0.1, -1).astype(np.float32)
     if name in ("g", "gc") and dtype == "float32" and len(shape) >= 2:  # in-chunk cumulative log decays
         step = -np.abs(rng.standard_normal((shape[0] // 64, 64) + tuple(shape[1:]))) * 0.1
         return np.cumsum(step, 1).reshape(shape).astype(np.float32)
@@ -142,7 +145,7 @@ def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: i
                 0.088 if p["name"] == "scale" else 1)
             continue
         shape = tuple(sym[s] if isinstance(s, str) else s for s in p["shape"])
-        ptrs[p["name"]] = drv.upload(_fill(p["name"], p["dtype"], shape, rng, T))
+        ptrs[p["name"]] = drv.upload(_fill(p["name"], p["dtype"], shape, rng, T, per_chunk=p["shape"][:1] == ["NT"]))
     maps = {}
     for name, d in meta["descs"].items():
         ev = lambda xs: [_expr(x, dims) for x in xs]
