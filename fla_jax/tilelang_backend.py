@@ -225,9 +225,8 @@ def _value_parts(p: Problem, K: int, V: int) -> int:
     """In how many float32 parts the backward's consumer writes what sums over the key channels:
     1 (dv in the input dtype), or K / BK where it splits the key channels over programs (dv as
     `[parts, L, HV, V]`, and but for GLA, whose dg is per channel, dg as `[parts, L, HV]`)."""
-    variant = _find_variant("delta" if p.delta else p.op, "bwd", p.dtype, K, V)
-    prog = next(prog for prog in variant.programs if prog.name == "dqkvg")
-    return K // dict(prog.config).get("BK", K)
+    del V  # (variants have K = V)
+    return K // dict(_program(p, "bwd", K, "dqkvg").config).get("BK", K)
 
 
 def _consumer(p: Problem, target: str, results, *args, scale):

@@ -86,7 +86,7 @@ def _fwd_o(q, k, v, G, h, *, scale):
 def fwd_fused_h(q, k, v, G, h0, cstart, ccount, *, scale):
     """kernels/simple_gla/fwd.py: o, h, ht; G `[L, H]`, or with `g_rows` per-chunk rows `[NT, H, C]`."""
     if G.ndim == 3:
-        G = jnp.moveaxis(G, 1, 2).reshape(-1, G.shape[1])
+        G = _rows_to_columns(G)
     h, ht = _scan_states(k, v, G, h0, cstart, ccount)
     h = _unwritten(h.astype(q.dtype), cstart, ccount, False)
     return _unwritten(_fwd_o(q, k, v, G, h, scale=scale), cstart, ccount, True), h, ht

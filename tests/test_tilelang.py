@@ -203,6 +203,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     G = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H))) * 0.1, jnp.float32), 1).reshape(L, H)
     cstart, ccount = jnp.asarray([0, 3], jnp.int32), jnp.asarray([3, 5], jnp.int32)
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
+    per_chunk = lambda a: jnp.moveaxis(a.reshape(NT, 64, H), 1, 2)  # [L, H] -> rows [NT, H, 64]
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
@@ -231,7 +232,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         scale = {"scale": np.float32(D**-0.5)}
         if op == "simple_gla":
             prog = next(p for p in variants.find(op, "fwd", dtype, D, D).programs if p.name == name)
-            g = jnp.moveaxis(G.reshape(NT, 64, H), 1, 2) if dict(prog.config).get("g_rows") else G  # per-chunk rows
+            g = per_chunk(G) if dict(prog.config).get("g_rows") else G
             return (like(v), *h, like(h0)), (q, k, v, g, h0, cstart, ccount), scale
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)  # w, u: T (k beta e^G) and T (v beta) in scale
@@ -243,7 +244,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         prog = next(p for p in variants.find("delta", "fwd", dtype, D, D).programs if p.name == "fused_t")
         gates = (G, beta)
         if dict(prog.config).get("gate_rows"):  # G and beta as rows [NT, H, 2, 64]
-            gates = (jnp.stack([jnp.moveaxis(a.reshape(NT, 64, H), 1, 2) for a in gates], axis=2),)
+            gates = (jnp.stack([per_chunk(a) for a in gates], axis=2),)
         return (like(v), like(h0)), (q, k, v, t, *gates, h0, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if (op, name) == ("delta", "dh"):  # the reverse pass, 2 sequences; k unit rows, w as T (k beta e^G) in scale
         q, k, do, dht = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)

@@ -96,7 +96,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     assert not blocked or (BT == 64 and (threads == 128 or (threads == 256 and warp_diagonal))), \
         "the blocked inverse is written for BT = 64, 128 threads (or 256 with warp_diagonal)"
     assert not merged or (BT == 64 and threads == 128), "the merged inverse is written for BT = 64, 128 threads"
-    assert not l2norm or gate_rows, "l2norm is written for gate_rows"
+    assert not l2norm or (gate_rows and tma_loads), "l2norm is written for gate_rows and tma_loads (q arrives by TMA)"
     assert not gate_rows or inverse_only, "gate_rows is written for the inverse alone"
 
     @T.macro
@@ -219,7 +219,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     split = _hi_lo(BT, dtype, scaled=True)
 
     @T.macro
-    def body(k, v, g, beta, w, u, t, qx=None, rn=None):
+    def body(k, v, g, beta, w, u, t, qx=None, gr=None):
         with T.Kernel(T.ceildiv(L, BT), HV, threads=threads) as (ic, ihv):
             ih = ihv // (HV // H)
             t0 = ic * BT
@@ -262,8 +262,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             if gate_rows:  # G and beta as rows of gr
                 T.copy(g[t0 : t0 + BT, ihv], gi_s, disable_tma=True)
                 for a in T.Parallel(BT):
-                    rn[ic, ihv, 0, a] = gi_s[a]
-                    rn[ic, ihv, 1, a] = b_s[a]
+                    gr[ic, ihv, 0, a] = gi_s[a]
+                    gr[ic, ihv, 1, a] = b_s[a]
             if tma_loads:
                 T.barrier_wait(kv_full[0], 0)
             T.clear(acc_a)
@@ -278,7 +278,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 T.sync_threads()
                 decay = lambda a, b: r_s[a] * r_s[b]
                 for a in T.Parallel(BT):
-                    rn[ic, ihv, 3, a] = r_s[a]
+                    gr[ic, ihv, 3, a] = r_s[a]
             for a, b in T.Parallel(BT, BT):
                 m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
             if l2norm:  # and 1 / |q| off the diagonal of Q Q^T
@@ -287,7 +287,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 T.gemm(q_s, q_s, acc_a, transpose_B=True)
                 for a, b in T.Parallel(BT, BT):
                     if a == b:
-                        rn[ic, ihv, 2, a] = T.rsqrt(acc_a[a, b] + 1e-6)
+                        gr[ic, ihv, 2, a] = T.rsqrt(acc_a[a, b] + 1e-6)
             if merged:
                 bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
                 xh_s = T.alloc_shared((BT, BT), "bfloat16")
