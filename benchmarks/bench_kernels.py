@@ -70,8 +70,8 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             "wy": ((like(k), like(v)), (k, v, G, beta), {}),
             "fused_h": ((like(v), like(v), state, final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), like(v), final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
-            "dh": ((state, final), (q, k, w, do, G, h0, cstart, ccount), {"scale": s}),
-            "dqkvg": ((like(q), like(k), split(v), split(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new
+            "dh": ((state, final, like(v)), (q, k, w, do, G, h0, cstart, ccount), {"scale": s}),
+            "dqkvg": ((like(q), like(k), split(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new (no dv)
             "norm": ((like(q), jax.ShapeDtypeStruct(G.shape, jnp.float32)), (q,), {}),
             "norm_bwd": (like(q), (q, G, do), {}),
             "wy_bwd": ((like(k), like(v), *(jax.ShapeDtypeStruct(G.shape, jnp.float32) for _ in "gb")), (k, v, G, beta, Tm, h, u, k), {}),

@@ -230,17 +230,18 @@ def _value_parts(p: Problem, K: int, V: int) -> int:
 
 
 def _consumer(p: Problem, target: str, results, *args, scale):
-    """The backward's consumer `(dq, dk, dv, dg)`, summing the parts of dv (and dg) where it
-    splits the key channels (`_value_parts`); `results` as the unsplit program writes them."""
-    parts = _value_parts(p, args[0].shape[-1], results[2].shape[-1])
+    """The backward's consumer `(dq, dk, dv, dg)` (the delta rules' `(dq, dk, dg)`: their reverse
+    pass stores dv, `no_dv`), summing the parts of dv (and dg) where it splits the key channels
+    (`_value_parts`); `results` as the unsplit program writes them."""
+    parts = _value_parts(p, args[0].shape[-1], args[2].shape[-1])
     if parts > 1:
         split = lambda r: jax.ShapeDtypeStruct((parts, *r.shape), jnp.float32)
-        results = (*results[:2], split(results[2]), results[3] if p.op == "gla" else split(results[3]))
-    dq, dk, dv, dg = _call(target, results, *args, scale=scale)
-    if parts > 1:
-        dv = dv.sum(axis=0).astype(results[2].dtype)  # rounded once, as the unsplit program writes it
-        dg = dg if p.op == "gla" else dg.sum(axis=0)
-    return dq, dk, dv, dg
+        results = (*results[:2], *(split(r) for r in results[2:-1]), results[-1] if p.op == "gla" else split(results[-1]))
+    out = _call(target, results, *args, scale=scale)
+    if parts > 1:  # dv rounded once, as the unsplit program writes it
+        out = (*out[:2], *(x.sum(axis=0).astype(r.dtype) for x, r in zip(out[2:-1], results[2:-1])),
+               out[-1] if p.op == "gla" else out[-1].sum(axis=0))
+    return out
 
 
 def _flat(C, q, *rest, tables):
@@ -355,15 +356,16 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, *arrays):
     H, HV = qf.shape[1], vf.shape[1]
     # value heads -> q/k heads (nothing where they are the same)
     group_sum = lambda x: x if HV == H else x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)
-    dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
+    # (with dv_new, `du`, the gradient of v_new that its chain forms)
+    dh, dh0, du = _call(bwd["dh"], (_like(hf), _like(dht), _like(vf)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     heads = lambda x: _like(x, None, HV)
     # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
     q_norm = l2norm and norm_fused and fused and "dqkvg_l2" in bwd
     k_norm = l2norm and norm_fused and fused and wy_kernel
-    if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel (du = dv_new)
+    if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, less dv (du)
         dqkvg, rqs = (bwd["dqkvg_l2"], (rq,)) if q_norm else (bwd["dqkvg"], ())
-        dq, dkv, du, dG = _consumer(p, dqkvg, (heads(qf), heads(kf), _like(vf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, *rqs, scale=s)
+        dq, dkv, dG = _consumer(p, dqkvg, (heads(qf), heads(kf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, *rqs, scale=s)
         dq, dk = group_sum(dq), 0.0  # dk per value head (dkv) goes on to the WY VJP
     else:
         _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)

@@ -69,6 +69,10 @@ FLAT_64: Final = (("stages", 1), ("specialized", False))
 # against 0.418 / 0.431; with two (a later call, on a slower GPU) 0.341 / 0.315 against one stage's
 # 0.397 / 0.387 (delta), 0.309 / 0.346 against 0.387 / 0.378 (simple GLA)
 FLAT_BV32: Final = (("stages", 2), ("specialized", False), ("BV", 32))
+# the delta rules' reverse pass stores du (the gradient of v_new, formed on its chain), and their
+# consumer forms dq, dk, dg only (neither Q K^T nor the two products per V block that formed du again)
+DU: Final = (("store_du", True),)
+NO_DV: Final = (("delta", True), ("no_dv", True))
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -119,18 +123,19 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("prep", True), ("transposed", True), ("gate_rows", True), ("l2norm", True)), dims=(64, 128)),
     ),
     ("delta", "bwd"): (
-        # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit)
-        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0"), dims=(64, 128)),
-        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0"), dims=(256,)),
-        # the simple GLA consumer on v_new (dv is the gradient of v_new): with DELTA_FUSED_BWD (the default)
-        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), *FLAT_64), dims=(64,)),
-        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), *FLAT_BV32), dims=(128,)),
+        # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit). Each also
+        # stores du, the gradient of v_new its chain forms (`store_du`), which the consumer formed again before
+        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"), config=DU, dims=(64, 128)),
+        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0", "du"), config=DU, dims=(256,)),
+        # the simple GLA consumer on v_new, less dv (`no_dv`: the reverse pass stored it): with DELTA_FUSED_BWD (the default)
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV, *FLAT_64), dims=(64,)),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV, *FLAT_BV32), dims=(128,)),
         # (at K = 256 as FLAT_BV32, 82.9 KB, two programs per SM: 0.602 ms, with two stages 0.552,
         # against 0.500 at 4,4096,8,256; simple GLA 0.634 against 0.519; bf16, H200, 2026-12-03: not kept)
-        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), ("BK", 128)), dims=(256,)),
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV, ("BK", 128)), dims=(256,)),
         # the WY preparation's VJP given T: with DELTA_WY_BWD_KERNEL (the default). At K <= 128 with T
         # through the registers (t_regs: 99.6 KB of shared memory at K = 128, two programs per SM, 66.8
         # KB at 64, three): 0.336 / 0.347 / 0.187 ms against 0.457 / 0.453 / 0.242 at 4,4096,16,128 /
@@ -143,10 +148,10 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # use_qk_l2norm_in_kernel: the consumer and the WY VJP with the normalisation's gradient folded in
         # (one more input each, 1 / |q| and 1 / |k|; dq and dk of the raw q and k), in place of two
         # `norm_bwd` passes. Not at K = 256, where the consumer splits a row's key channels over two programs.
-        Program(name="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), ("l2norm", True), *FLAT_64), dims=(64,)),
-        Program(name="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), ("l2norm", True), *FLAT_BV32), dims=(128,)),
+        Program(name="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV, ("l2norm", True), *FLAT_64), dims=(64,)),
+        Program(name="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV, ("l2norm", True), *FLAT_BV32), dims=(128,)),
         Program(name="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("t_regs", True), ("l2norm", True)), dims=(64, 128)),
         Program(name="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
@@ -311,10 +316,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the delta rules' state-gradient pass in one warpgroup (the default before)
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
-        Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0")),
+        Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0", "du"), config=DU),
         # warpgroup 1 rescaling k and q in place element by element (dispatched before 2026-12-04)
-        Program(name="x_dh_prev", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0"),
-                config=(("row_factors", False),)),
+        Program(name="x_dh_prev", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"),
+                config=(*DU, ("row_factors", False))),
         Program(name="x_wy_bwd_sync", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("tma_loads", False), ("tma_stores", False))),
         # dvb = T^T du formed once: 0.442 / 0.441 ms against 0.457 / 0.429 at 4,4096,16,128 / 2,8192,16,128
@@ -326,13 +331,13 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # the consumer without warp specialization, one stage (as dispatched at K = 64): 0.448 / 0.448 ms
         # against 0.425 / 0.426 at 4,4096,16,128 / 2,8192,16,128 (simple GLA 0.470 / 0.474 against
         # 0.427 / 0.411; bf16, H200, 2026-12-03), not kept
-        Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), *FLAT_64)),
+        Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV, *FLAT_64)),
         # the warp-specialized consumer (dispatched before FLAT_BV32)
-        Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True),)),
-        Program(name="x_dqkvg_sync_qk", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True), ("tma_qk", False))),
+        Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV,)),
+        Program(name="x_dqkvg_sync_qk", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV, ("tma_qk", False))),
     ),
     # the warp-specialized consumer at K = 64 (dispatched before FLAT_64)
     ("simple_gla", "bwd", "bf16", 64): (
@@ -341,8 +346,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("delta", "bwd", "bf16", 64): (
         # the WY VJP with T in a float32 shared tile (dispatched before t_regs)
         Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
-        Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
-                config=(("delta", True),)),
+        Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=NO_DV),
     ),
     ("simple_gla", "bwd", "bf16", 128): (
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),

@@ -320,7 +320,8 @@ def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
 
 
 def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
-    """kernels/delta/bwd.py `chunk_delta_bwd_dh`: dh (after each chunk), dh0."""
+    """kernels/delta/bwd.py `chunk_delta_bwd_dh(store_du=True)`: dh (after each chunk), dh0 and
+    du, the gradient of v_new (input dtype)."""
     HV = do.shape[1]
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
     qc, kc, wc, doc, Gc = (_chunks(x)[0] for x in (rep(q), rep(k), w, do, G))
@@ -339,12 +340,12 @@ def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
         qd = rnd(qc[n] * jnp.exp(g)[..., None] * scale)
         dv = rnd(jnp.einsum("ijh,ihv->jhv", A, doc[n]) + jnp.einsum("chk,hkv->chv", kd, Sd))
         S_before = jnp.exp(g[-1])[:, None, None] * S + jnp.einsum("chk,chv->hkv", qd, doc[n]) - jnp.einsum("chk,chv->hkv", wc[n], dv)
-        return S_before, (Sd, S_before)
+        return S_before, (Sd, S_before, dv)
 
-    _, (dh, before) = jax.lax.scan(step, jnp.zeros(dht.shape[1:], f32), jnp.arange(NT)[::-1])
-    dh, before = dh[::-1], before[::-1]
+    _, (dh, before, du) = jax.lax.scan(step, jnp.zeros(dht.shape[1:], f32), jnp.arange(NT)[::-1])
+    dh, before, du = dh[::-1], before[::-1], du[::-1].reshape(do.shape)
     dh0 = _sequence_ends(before, cstart, ccount, dht)
-    return _unwritten(dh.astype(dt), cstart, ccount, False), dh0
+    return _unwritten(dh.astype(dt), cstart, ccount, False), dh0, _unwritten(du.astype(dt), cstart, ccount, True)
 
 
 def _wy(k, v, G, beta):
@@ -374,11 +375,12 @@ def delta_wy(k, v, G, beta):
 
 
 def delta_bwd_dqkvg(q, k, vn, G, h, do, dh, *, scale, parts=1):
-    """kernels/simple_gla/bwd.py `chunk_bwd_dqkvg(delta=True)`: the simple GLA consumer on v_new
-    with q/k head j // (HV / H); dq, dk per value head."""
+    """kernels/simple_gla/bwd.py `chunk_bwd_dqkvg(delta=True, no_dv=True)`: the simple GLA consumer
+    on v_new with q/k head j // (HV / H), less dv; dq, dk per value head, dg."""
     HV = vn.shape[1]
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
-    return bwd_dqkvg(rep(q), rep(k), vn, G, h, do, dh, scale=scale, parts=parts)
+    dq, dk, _, dg = bwd_dqkvg(rep(q), rep(k), vn, G, h, do, dh, scale=scale, parts=parts)
+    return dq, dk, dg
 
 
 def delta_wy_bwd(k, v, G, beta, Tm, h, du, dk0):
@@ -422,8 +424,8 @@ def _l2norm_grad(y, r, dy):
 
 def delta_bwd_dqkvg_l2(q, k, vn, G, h, do, dh, rq, *, scale):
     """`chunk_bwd_dqkvg(delta=True, l2norm=True)`: dq the raw q's gradient (q normalised, rq = 1 / |q|)."""
-    dq, dk, dv, dg = delta_bwd_dqkvg(q, k, vn, G, h, do, dh, scale=scale)
-    return _l2norm_grad(q, rq, dq).astype(dq.dtype), dk, dv, dg
+    dq, dk, dg = delta_bwd_dqkvg(q, k, vn, G, h, do, dh, scale=scale)
+    return _l2norm_grad(q, rq, dq).astype(dq.dtype), dk, dg
 
 
 def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):
@@ -443,8 +445,11 @@ def call(target, results, *args, **attrs):
     programs = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)
     fn = next(f for suffix, f in programs.items() if target.endswith(suffix))
     attrs = {k: float(v) for k, v in attrs.items()}
-    if target.endswith("_dqkvg") and len(results[2].shape) == 4:  # dv in parts: the key channels split
-        attrs["parts"] = results[2].shape[0]
+    # dv (the delta rules' consumer, which has none: dg) in parts, where the key channels are split
+    if target.endswith("_dqkvg"):
+        parted = results[2].shape if len(results) == 4 else results[2].shape[:1] * (len(results[2].shape) == 3)
+        if len(parted) in (1, 4):
+            attrs["parts"] = parted[0]
     out = fn(*args, **attrs)
     shapes = results if isinstance(results, tuple) else (results,)
     outs = out if isinstance(out, tuple) else (out,)

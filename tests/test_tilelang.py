@@ -250,7 +250,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         q, k, do, dht = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)
-        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, k, w, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
+        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht), like(do)), (q, k, w, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy", "wy_t"):
         k = unit(x(L, H, D))
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
@@ -259,7 +259,8 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     if op in ("simple_gla", "delta") and name == "dqkvg":  # the consumer (the delta rules': on v_new, k unit rows)
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         k = unit(k) if op == "delta" else k
-        return (like(q), like(k), like(v), like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
+        dv = () if op == "delta" else (like(v),)  # (the delta rules' reverse pass stores it)
+        return (like(q), like(k), *dv, like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name == "wy_bwd":  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)

@@ -19,31 +19,19 @@ from kernels.common import delta_loads, stage_loads
 
 
 def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                           stages: int | None = None):
+                           stages: int | None = None, store_du: bool = False):
     """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched kernel
     at K = 256, and at K <= 128 before `chunk_delta_bwd_dh` (kept as the experiment `x_dh_1wg`).
     The rows' factors `exp(G_C - G)`, `exp(G)` are formed once per chunk into shared memory (as
     `chunk_delta_bwd_dh(row_factors=True)` does; an exponential per element of k and q before,
-    2026-12-04), the same bits."""
+    2026-12-04), the same bits. `store_du` as `chunk_delta_bwd_dh`'s (stored from the registers)."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     threads = threads or (256 if K > 128 else 128)
     stages = stages or (2 if K <= 128 else 1)  # two stages at K = 256 would exceed 227 KB of shared memory
 
-    @T.prim_func
-    def main(
-        q: T.Tensor((L, H, K), dtype),
-        k: T.Tensor((L, H, K), dtype),
-        w: T.Tensor((L, HV, K), dtype),
-        do: T.Tensor((L, HV, V), dtype),
-        g: T.Tensor((L, HV), acc),
-        dht: T.Tensor((N, HV, K, V), acc),
-        cstart: T.Tensor((N,), "int32"),
-        ccount: T.Tensor((N,), "int32"),
-        scale: T.float32,
-        dh: T.Tensor((NT, HV, K, V), dtype),
-        dh0: T.Tensor((N, HV, K, V), acc),
-    ):
+    @T.macro
+    def body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du):
         with T.Kernel(T.ceildiv(V, BV), N * HV, threads=threads) as (iv, inh):
             n = inh // HV
             ihv = inh % HV
@@ -90,6 +78,8 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                 T.gemm(a_s, do_s, acc_dv, transpose_A=True)
                 T.gemm(kd_s, dh_s, acc_dv)
                 T.copy(acc_dv, dv_s)
+                if store_du:
+                    T.copy(acc_dv, du[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
                 # dS <- exp(G_C) dS + (q exp(G) scale)^T do - w^T dv_new
                 for a, b in T.Parallel(K, BV):
                     b_dh[a, b] = b_dh[a, b] * T.exp(g_s[BT - 1])
@@ -99,10 +89,48 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                 T.gemm(w_s, dv_s, b_dh, transpose_A=True)
             T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
+    if store_du:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            do: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            dht: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            dh: T.Tensor((NT, HV, K, V), dtype),
+            dh0: T.Tensor((N, HV, K, V), acc),
+            du: T.Tensor((L, HV, V), dtype),
+        ):
+            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            do: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            dht: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            dh: T.Tensor((NT, HV, K, V), dtype),
+            dh0: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, None)
+
     return main
 
 
-def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, row_factors: bool = True):
+def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, row_factors: bool = True,
+                       store_du: bool = False):
     """The reverse pass, warp-specialized as the forward's (`kernels/delta/fwd.py`): three
     warpgroups per (V block, sequence * value head) program, K <= 128 (at K = 256 two stages would
     not fit in shared memory: `chunk_delta_bwd_dh_1wg` there).
@@ -120,25 +148,18 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
     exponential per element and, in place, a barrier per unrolled step (TileLang's guard between
     one step's stores and the next step's loads). `row_factors`: the factors `exp(G_C - G)` and
     `exp(G)` once per row (into shared memory), k and q read whole into registers, rescaled there
-    and written back, so one barrier parts the loads from the stores; the same bits."""
+    and written back, so one barrier parts the loads from the stores; the same bits.
+
+    `store_du`: one more output, `du [L, HV, V]` (input dtype), the gradient of v_new that the
+    chain forms anyway (`dv_new`, rounded as the `w^T dv_new` product takes it), stored by TMA
+    from a tile of its own once the chunk's products are issued; the consumer then need not form
+    it again (`chunk_bwd_dqkvg(no_dv=True)`)."""
     assert K <= 128, "K = 256: chunk_delta_bwd_dh_1wg"
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
 
-    @T.prim_func
-    def main(
-        q: T.Tensor((L, H, K), dtype),
-        k: T.Tensor((L, H, K), dtype),
-        w: T.Tensor((L, HV, K), dtype),
-        do: T.Tensor((L, HV, V), dtype),
-        g: T.Tensor((L, HV), acc),
-        dht: T.Tensor((N, HV, K, V), acc),
-        cstart: T.Tensor((N,), "int32"),
-        ccount: T.Tensor((N,), "int32"),
-        scale: T.float32,
-        dh: T.Tensor((NT, HV, K, V), dtype),
-        dh0: T.Tensor((N, HV, K, V), acc),
-    ):
+    @T.macro
+    def body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du):
         with T.Kernel(T.ceildiv(V, BV), N * HV, threads=384) as (iv, inh):
             n = inh // HV
             ihv = inh % HV
@@ -157,6 +178,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
             a_s = T.alloc_shared((BT, BT), dtype)
             dh_s = T.alloc_shared((K, BV), dtype)
             dv_s = T.alloc_shared((BT, BV), dtype)
+            du_s = T.alloc_shared((BT, BV), dtype) if store_du else None
             b_dh = T.alloc_fragment((K, BV), acc)
             acc_dv = T.alloc_fragment((BT, BV), acc)
             acc_a = T.alloc_fragment((BT, BT), acc)
@@ -204,7 +226,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(ready[slot], (i // stages) % 2)
-                    if i >= 1:  # the store of the previous chunk's dS has read dh_s
+                    if i >= 1:  # the store of the previous chunk's dS (and du) has read dh_s (du_s)
                         T.tma_store_wait()
                         T.sync_threads(8, 128)
                     T.copy(b_dh, dh_s)
@@ -222,8 +244,51 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                     T.gemm(q_s[slot, :, :], do_s[slot, :, :], b_dh, transpose_A=True)
                     T.gemm(w_s[slot, :, :], dv_s, b_dh, transpose_A=True)
                     T.barrier_arrive(free[slot])
+                    if store_du:  # dv_new, as the product above took it, by TMA (waited for with dh's)
+                        for a, b in T.Parallel(BT, BV):
+                            du_s[a, b] = T.cast(acc_dv[a, b], dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads(8, 128)
+                        T.tma_copy(du_s, du[(c1 - i) * BT : (c1 - i + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
                 T.tma_store_wait()
                 T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+
+    if store_du:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            do: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            dht: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            dh: T.Tensor((NT, HV, K, V), dtype),
+            dh0: T.Tensor((N, HV, K, V), acc),
+            du: T.Tensor((L, HV, V), dtype),
+        ):
+            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            do: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            dht: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            dh: T.Tensor((NT, HV, K, V), dtype),
+            dh0: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, None)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return main.with_attr("fla.disable_shared_memory_reuse", 1)

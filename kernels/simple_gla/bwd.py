@@ -163,7 +163,7 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
 
 def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
                     stages: int | None = None, delta: bool = False, BK: int | None = None, tma_qk: bool = True,
-                    specialized: bool = True, l2norm: bool = False):
+                    specialized: bool = True, l2norm: bool = False, no_dv: bool = False):
     """`BK` < K splits the key channels over `K / BK` programs per (chunk, head), each the
     unsplit program at K = BK: dq and dk of a channel need only its q, k, h and dh rows (and dS,
     which each program forms from do and v). What sums over all channels is written in float32
@@ -187,10 +187,15 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     input, `rq [L, H]` (float32 `r = 1 / |x|` of the raw q), and dq is the raw q's gradient
     `r (dy - y sum(dy y))` (the normalisation's gradient, linear in dy, so per value head before
     the caller sums a group); `sum(dy y)` is the row sum the gate gradient takes anyway. Not with
-    `BK < K` (a row's sum would span programs)."""
+    `BK < K` (a row's sum would span programs).
+
+    `no_dv` (delta rules, whose reverse pass stores `dv_new` itself: `chunk_delta_bwd_dh(store_du=True)`):
+    no dv output, so neither `A = scale Q K^T` nor `k exp(G_C - G)` nor the two products per V
+    block that formed dv; the outputs are dq, dk, dg."""
     BK = BK or K
     split = BK < K
     assert not (l2norm and split), "l2norm needs whole rows of dq"
+    assert delta or not no_dv, "no_dv: the delta rules, whose reverse pass stores dv_new"
     # two-stage loads over the V blocks: 0.387 against 0.431 ms at 4,4096,16,128 bf16 (H200); at
     # K = 256 the second stage would need 273 KB of shared memory, over Hopper's 227 KB
     # (two warpgroups sharing every GEMM and elementwise step, 256 threads with the loads not
@@ -209,24 +214,24 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
         c0 = ik * BK  # this program's key channels
         q_s = T.alloc_shared((BT, BK), dtype)
         k_s = T.alloc_shared((BT, BK), dtype)
-        kd_s = T.alloc_shared((BT, BK), dtype)
+        kd_s = None if no_dv else T.alloc_shared((BT, BK), dtype)
         g_s = T.alloc_shared((BT,), acc)
         v_s = T.alloc_shared((BT, BV), dtype)
         do_s = T.alloc_shared((BT, BV), dtype)
         h_s = T.alloc_shared((BK, BV), dtype)
         dh_s = T.alloc_shared((BK, BV), dtype)
-        a_s = T.alloc_shared((BT, BT), dtype)
+        a_s = None if no_dv else T.alloc_shared((BT, BT), dtype)
         ds_s = T.alloc_shared((BT, BT), dtype)
-        dv_s = None if split else T.alloc_shared((BT, BV), dtype)
+        dv_s = None if split or no_dv else T.alloc_shared((BT, BV), dtype)
         dq_s = T.alloc_shared((BT, BK), dtype)
         dk_s = T.alloc_shared((BT, BK), dtype)
         dg_s = T.alloc_shared((BT,), acc)
         hdh_s = T.alloc_shared((1,), acc)
-        acc_a = T.alloc_fragment((BT, BT), acc)
+        acc_a = None if no_dv else T.alloc_fragment((BT, BT), acc)
         acc_da = T.alloc_fragment((BT, BT), acc)
         acc_dq = T.alloc_fragment((BT, BK), acc)
         acc_dk = T.alloc_fragment((BT, BK), acc)
-        acc_dv = T.alloc_fragment((BT, BV), acc)
+        acc_dv = None if no_dv else T.alloc_fragment((BT, BV), acc)
         prod = T.alloc_fragment((BK, BV), acc)
         prod_row = T.alloc_fragment((BK,), acc)
         prod_one = T.alloc_fragment((1,), acc)
@@ -251,13 +256,14 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             T.barrier_wait(qk_full[0], 0)
         for i in T.Parallel(1):
             hdh_s[i] = 0.0
-        T.clear(acc_a)
-        T.gemm(q_s, k_s, acc_a, transpose_B=True)
-        for i, j in T.Parallel(BT, BT):
-            acc_a[i, j] = T.if_then_else(i >= j, acc_a[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
-        T.copy(acc_a, a_s)
-        for i, j in T.Parallel(BT, BK):
-            kd_s[i, j] = T.cast(T.cast(k_s[i, j], acc) * T.exp(g_s[BT - 1] - g_s[i]), dtype)
+        if not no_dv:
+            T.clear(acc_a)
+            T.gemm(q_s, k_s, acc_a, transpose_B=True)
+            for i, j in T.Parallel(BT, BT):
+                acc_a[i, j] = T.if_then_else(i >= j, acc_a[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
+            T.copy(acc_a, a_s)
+            for i, j in T.Parallel(BT, BK):
+                kd_s[i, j] = T.cast(T.cast(k_s[i, j], acc) * T.exp(g_s[BT - 1] - g_s[i]), dtype)
         T.clear(acc_dq)
         T.clear(acc_dk)
         T.clear(acc_da)
@@ -272,12 +278,17 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             T.reduce_sum(prod_row, prod_one, dim=0)
             for i in T.Parallel(1):
                 hdh_s[i] = hdh_s[i] + prod_one[i]
-            T.clear(acc_dv)
-            T.gemm(kd_s, dh_s, acc_dv)
-            T.gemm(a_s, do_s, acc_dv, transpose_A=True)
-            if split:
+            if no_dv:
+                pass
+            elif split:
+                T.clear(acc_dv)
+                T.gemm(kd_s, dh_s, acc_dv)
+                T.gemm(a_s, do_s, acc_dv, transpose_A=True)
                 T.copy(acc_dv, dv[ik, it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
             else:
+                T.clear(acc_dv)
+                T.gemm(kd_s, dh_s, acc_dv)
+                T.gemm(a_s, do_s, acc_dv, transpose_A=True)
                 T.copy(acc_dv, dv_s)
                 T.copy(dv_s, dv[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
             T.gemm(do_s, v_s, acc_da, transpose_B=True)
@@ -318,7 +329,50 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
         else:
             T.copy(dg_s, dg[it * BT : (it + 1) * BT, ihv], disable_tma=True)
 
-    if l2norm:
+    if no_dv and l2norm:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, heads, V), dtype),
+            g: T.Tensor((L, heads), acc),
+            h: T.Tensor((NT, heads, K, V), dtype),
+            do: T.Tensor((L, heads, V), dtype),
+            dh: T.Tensor((NT, heads, K, V), dtype),
+            rq: T.Tensor((L, H), acc),
+            scale: T.float32,
+            dq: T.Tensor((L, heads, K), dtype),
+            dk: T.Tensor((L, heads, K), dtype),
+            dg: T.Tensor((L, heads), acc),
+        ):
+            with T.Kernel(NT, heads, threads=threads) as (it, ihv):
+                body(it, ihv, 0, q, k, v, g, h, do, dh, rq, scale, dq, dk, None, dg)
+
+    elif no_dv:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, heads, V), dtype),
+            g: T.Tensor((L, heads), acc),
+            h: T.Tensor((NT, heads, K, V), dtype),
+            do: T.Tensor((L, heads, V), dtype),
+            dh: T.Tensor((NT, heads, K, V), dtype),
+            scale: T.float32,
+            dq: T.Tensor((L, heads, K), dtype),
+            dk: T.Tensor((L, heads, K), dtype),
+            dg: T.Tensor((K // BK, L, heads) if split else (L, heads), acc),
+        ):
+            if split:
+                with T.Kernel(NT, heads, K // BK, threads=threads) as (it, ihv, ik):
+                    body(it, ihv, ik, q, k, v, g, h, do, dh, None, scale, dq, dk, None, dg)
+            else:
+                with T.Kernel(NT, heads, threads=threads) as (it, ihv):
+                    body(it, ihv, 0, q, k, v, g, h, do, dh, None, scale, dq, dk, None, dg)
+
+    elif l2norm:
 
         @T.prim_func
         def main(
