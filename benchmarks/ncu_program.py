@@ -108,7 +108,7 @@ def _expr(s, dims):
 def _fill(name, dtype, shape, rng, T, per_chunk=False):
     """Random contents of one parameter; `per_chunk`: its first dim is the chunk index (`NT`)."""
     n = int(np.prod(shape)) if shape else 1
-    if name == "cstart":
+    if name in ("cstart", "first"):
         return np.arange(shape[0], dtype=np.int32) * (T // 64)
     if name == "ccount":
         return np.full(shape, T // 64, np.int32)
@@ -136,7 +136,8 @@ def _fill(name, dtype, shape, rng, T, per_chunk=False):
 def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: int = 0):
     meta = json.loads((gen / f"{target}.json").read_text())
     rng = np.random.default_rng(seed)
-    dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_R": B * T}
+    # (NS, M: simple GLA's `enter`, one piece per sequence, the whole sequence)
+    dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_R": B * T, "d_NS": B, "d_M": T // 64}
     sym = {k[2:]: v for k, v in dims.items()}
     ptrs, scalars = {}, {}
     for p in meta["params"]:

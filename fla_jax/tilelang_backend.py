@@ -72,6 +72,16 @@ DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
 # them. Tests run both settings.
 DELTA_L2NORM_FUSED = True
 
+# Simple GLA's forward with no gradient on dense input: the state pass runs one program per (V
+# block, sequence, head), its chunks in order, so few sequences and heads leave SMs idle however
+# long the sequences are. Where those programs number at most half this, each sequence is walked
+# in 2, 4, ... pieces at once (pieces of at least SPLIT_MIN_CHUNKS chunks), every piece but the
+# first from a zero state; XLA then adds what the states entering the pieces contribute (with
+# scalar gates `o += scale exp(D + G) q S_in`, D the decay from the piece's start; the states
+# entering the pieces by a scan over the pieces' final states). 0 switches it off.
+SPLIT_PROGRAMS = 132
+SPLIT_MIN_CHUNKS = 8
+
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
 VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -86,15 +96,16 @@ def registered() -> list[str]:
     return [] if _ext is None else sorted(n for n in _ext.registrations() if not n.endswith("_aliased"))
 
 
-def _call(target: str, results, *args, **attrs):
-    """`ffi_call` of one kernel program; with POISON_OUTPUTS its outputs start as NaN."""
+def _call(target: str, results, *args, init=None, **attrs):
+    """`ffi_call` of one kernel program; with POISON_OUTPUTS its outputs start as NaN. `init`: the
+    outputs' contents before the call, for a program that updates them in place (never poisoned)."""
     single = not isinstance(results, tuple)
     results = (results,) if single else results
-    if POISON_OUTPUTS:
-        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+    if POISON_OUTPUTS or init is not None:
+        init = init or [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
         aliases = {len(args) + i: i for i in range(len(results))}
         out = jax.ffi.ffi_call(f"{target}_aliased", results, vmap_method="sequential", input_output_aliases=aliases)(
-            *args, *poison, **attrs
+            *args, *init, **attrs
         )
     else:
         out = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
@@ -308,6 +319,9 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
     else:  # simple GLA: G as per-chunk rows `[NT, H, C]` where the pass loads them by TMA (`g_rows`)
         rows = dict(_program(p, "fwd", K, "fused_h" if store_h else "fused").config).get("g_rows")
         ins, extra = (qf, kf, vf, Gf.reshape(NT, C, -1).transpose(0, 2, 1) if rows else Gf), ()
+        pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
+        if pieces > 1:
+            return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, B)
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
     out = _call(
         _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
@@ -317,6 +331,45 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
     if p.delta and wy:  # and v_new, for the backward's consumer kernel
         wy = (*wy, out[1].reshape(B, Lr, HV, V))
     return (out[0].reshape(B, Lr, HV, V), *h, *wy, out[-1])
+
+
+def _pieces(B: int, H: int, V: int, nt: int) -> int:
+    """In how many pieces the forward's state pass walks each of B sequences of nt chunks
+    (`SPLIT_PROGRAMS`): a power of two dividing nt."""
+    programs, pieces = B * H * max(1, V // 64), 1
+    while programs * pieces * 2 <= SPLIT_PROGRAMS and nt % (pieces * 2) == 0 and nt // (pieces * 2) >= SPLIT_MIN_CHUNKS:
+        pieces *= 2
+    return pieces
+
+
+def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, B: int):
+    """Simple GLA's `(o, ht)` (dense, no gradient) with each sequence's chunks walked in `pieces`
+    pieces at once by the state pass (`fused`, as `pieces * B` sequences, the first piece from h0,
+    the others from zero states); then `enter` adds what the states entering the later pieces
+    contribute to their output. `ins`: the pass's token inputs (q, k, v, G as per-chunk rows
+    where the pass takes them so, `g_rows`)."""
+    q, G = ins[0], ins[3]
+    C = 64
+    L, H, K = q.shape
+    V = ins[2].shape[-1]
+    nt = L // (B * C)
+    m = nt // pieces  # chunks a piece
+    ar = lambda n: jnp.arange(n, dtype=jnp.int32)  # (iota, not constants: custom partitioning takes none)
+    first = (ar(B)[:, None] * nt + ar(pieces)[None] * m).reshape(-1)
+    h0s = jnp.zeros((B, pieces, *h0.shape[1:]), jnp.float32).at[:, 0].set(h0).reshape(-1, *h0.shape[1:])
+    s = np.float32(scale)
+    o, ht = _call(targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), _like(h0s)), *ins, h0s, first, jnp.full_like(first, m), scale=s)
+    rows = G if G.ndim == 3 else G.reshape(-1, C, H).transpose(0, 2, 1)  # [NT, H, C]
+    chunk = rows[:, :, -1].reshape(B, pieces, m, H)  # a chunk's whole decay
+    ht = ht.reshape(B, pieces, H, K, V)
+    S, enter = jnp.zeros_like(ht[:, 0]), []  # the state entering each piece (piece 0's is in o already)
+    for i in range(pieces):
+        enter.append(S)
+        S = jnp.exp(chunk[:, i].sum(1))[..., None, None] * S + ht[:, i]
+    enter = jnp.stack(enter[1:], axis=1).reshape(-1, H, K, V).astype(q.dtype)  # [B (P - 1), H, K, V], as the pass takes S
+    d = (jnp.cumsum(chunk[:, 1:], axis=2) - chunk[:, 1:]).reshape(-1, m, H)  # decay of the piece's chunks before
+    o = _call(targets["enter"], _like(o), q, rows, d, enter, first.reshape(B, pieces)[:, 1:].reshape(-1), scale=s, init=(o,))
+    return o.reshape(B, nt * C, H, V), S
 
 
 def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, *arrays):
@@ -398,7 +451,8 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
     states whole. The module's switches are read here, so that changing them takes effect.
     `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients;
     the forward (`fwd`, where `_folds_l2norm`) takes the raw q and k and normalises them itself."""
-    switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())))
+    switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())),
+                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS)
     return _partitioned_with(p, scale, direction, varlen, l2norm, switches, VJP_PRECISION)
 
 

@@ -88,6 +88,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 dims=(128,)),
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("g_rows", True), ("store_h", True),),
                 dims=(64, 256)),
+        # the forward split into pieces (SPLIT_PROGRAMS): what the pieces' entering states add to o, in place
+        Program(name="enter", module="simple_gla.fwd", builder="chunk_fwd_enter", outputs=("o",)),
     ),
     ("delta", "fwd"): (
         # use_qk_l2norm_in_kernel: q and k normalised in one pass each (r = 1 / |x|, for the backward)

@@ -115,6 +115,11 @@ def loss_and_outputs(case: Case, backend: str):
     return jax.jit(jax.grad(loss, has_aux=True))
 
 
+def forward_outputs(case: Case, backend: str):
+    """A jitted `diff -> (o, ht)` for one backend: the forward with no gradient."""
+    return jax.jit(lambda diff: OPS[case.op](**diff, **static_kwargs(case), backend=backend))
+
+
 # The delta rules' tilelang backward, (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL): its chunk-parallel parts
 # as XLA VJPs, the per-chunk part by the consumer kernel, and the WY VJP by its kernel too.
 DELTA_BWD_MODES = {"xla_vjps": (False, False), "consumer_kernel": (True, False), "all_kernels": (True, True)}

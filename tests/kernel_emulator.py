@@ -135,7 +135,18 @@ def _bwd_dqkvg(q, k, v, G, h, do, dh, *, scale, dv_dtype):
     return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, dv_dtype), flat(dG, f32)
 
 
-PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg}
+def fwd_enter(q, g, d, s, first, o, *, scale):
+    """kernels/simple_gla/fwd.py `chunk_fwd_enter`: chunk i of piece p (from chunk `first[p]`)
+    plus `scale exp(d[p, i] + G) (q s[p])`, the other chunks as they were (G as per-chunk rows)."""
+    NS, M = d.shape[:2]
+    rows = (first[:, None, None] + jnp.arange(M)[None, :, None]) * C + jnp.arange(C)[None, None]  # [NS, M, C]
+    G = _rows_to_columns(g)[rows]  # [NS, M, C, H]
+    qs = jnp.einsum("pmchk,phkv->pmchv", q[rows].astype(f32), s.astype(f32))
+    add = scale * jnp.exp(d[:, :, None, :] + G)[..., None] * qs
+    return o.at[rows].set((o[rows].astype(f32) + add).astype(o.dtype))
+
+
+PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg, "_enter": fwd_enter}
 
 
 def _gla_decay(Gc):
@@ -440,8 +451,9 @@ DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": d
                   "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2}
 
 
-def call(target, results, *args, **attrs):
+def call(target, results, *args, init=None, **attrs):
     """Drop-in for fla_jax.tilelang_backend._call."""
+    args = (*args, *(init or ()))
     programs = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)
     fn = next(f for suffix, f in programs.items() if target.endswith(suffix))
     attrs = {k: float(v) for k, v in attrs.items()}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fla_jax
-from cases import DELTA_BWD_MODES, OPS, Case, loss_and_outputs, make_inputs, static_kwargs
+from cases import DELTA_BWD_MODES, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, reference_grads
 from fla_jax import _problem, tilelang_backend
 from kernels import variants
@@ -110,6 +110,32 @@ def test_tilelang_matches_float64(case, monkeypatch):
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     bad = {n: e for n, e in errs.items() if not e <= (0.004 if n in ("o", "ht") else 0.005)}
     assert not bad, bad
+
+
+SPLIT_GPU_CASES = [
+    Case("simple_gla", 1, 4096, 2, 128, 128, dtype="bfloat16", h0=True),  # 4 programs: 8 pieces of 8 chunks
+    Case("simple_gla", 2, 2000, 3, 64, 64, dtype="float16", gate="g_gamma"),  # 6 programs: 4 pieces
+]
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SPLIT_GPU_CASES, ids=str)
+def test_tilelang_simple_gla_forward_split(case, monkeypatch):
+    """Simple GLA's forward with no gradient in pieces (`SPLIT_PROGRAMS`) against float64 and
+    against the unsplit pass, NaN-poisoned outputs."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    diff, cot = make_inputs(case, 13)
+    _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    outs = {}
+    for programs in (132, 0):
+        monkeypatch.setattr(tilelang_backend, "SPLIT_PROGRAMS", programs)
+        outs[programs] = forward_outputs(case, "tilelang")(diff)
+    (o, ht), (o1, ht1) = outs[132], outs[0]
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht), "o unsplit": err_ratio(ref_o, o1),
+            "o vs unsplit": err_ratio(np.asarray(o1.astype(jnp.float32)), o), "ht vs unsplit": err_ratio(ht1, ht)}
+    print(case, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert all(e <= 0.004 for e in errs.values()), errs
 
 
 DELTA_GPU_CASES = [

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cases import DELTA_BWD_MODES, OPS, Case, loss_and_outputs, make_inputs, static_kwargs
+from cases import DELTA_BWD_MODES, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, reference_grads
 import kernel_emulator
 from fla_jax import _backends, tilelang_backend, xla
@@ -47,6 +47,40 @@ def test_glue_matches_float64(case, emulated):
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
     errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
     assert all(e <= tol for e in errs.values()), errs
+
+
+SPLIT_CASES = [
+    Case("simple_gla", 2, 64 * 8 - 13, 2, 64, 64, dtype="bfloat16", h0=True),
+    Case("simple_gla", 1, 64 * 8, 3, 128, 128, dtype="float16", gate="g_gamma"),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_simple_gla_forward_split_matches_float64(case, emulated, monkeypatch):
+    """The forward with no gradient walks each sequence in pieces where the state pass's programs
+    are few (`SPLIT_PROGRAMS`): here 4 pieces of 2 chunks (the state pass gets B * 4 sequences,
+    the first from h0, then `enter` adds the later pieces' entering states to their 6 chunks), and
+    o, ht still match float64; with the split off, B sequences and no `enter`."""
+    seqs = []
+
+    def record(target, results, *args, **attrs):
+        if target.endswith("_fused"):
+            seqs.append(args[-1].shape[0])
+        if target.endswith("_enter"):
+            seqs.append(("enter", args[2].shape[0] * args[2].shape[1]))
+        return kernel_emulator.call(target, results, *args, **attrs)
+
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
+    diff, cot = make_inputs(case, 31)
+    _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    for programs, pieces in ((132, 4), (0, 1)):
+        monkeypatch.setattr(tilelang_backend, "SPLIT_PROGRAMS", programs)
+        seqs.clear()
+        o, ht = forward_outputs(case, "tilelang")(diff)
+        assert seqs == [case.B * pieces] + [("enter", case.B * 6)] * (pieces > 1)
+        errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
+        assert all(e <= (5e-3 if case.dtype == "bfloat16" else 1e-3) for e in errs.values()), (pieces, errs)
 
 
 DELTA_CASES = [

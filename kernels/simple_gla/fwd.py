@@ -282,3 +282,47 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                                      2 * j + w, slot, stages, t0, ih, iv, scale, False, j)
 
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT), g_rows=g_rows).with_attr("fla.disable_shared_memory_reuse", 1)
+
+
+def chunk_fwd_enter(*, K: int, V: int, dtype: str, BT: int = 64, CG: int = 8, stages: int | None = None):
+    """What the states entering a sequence's later pieces add to their output, in place (the
+    forward split, `fla_jax.tilelang_backend.SPLIT_PROGRAMS`: the state pass walked every piece
+    but the first from a zero state). Piece `ps` (of NS) starts at chunk `first[ps]`, M chunks
+    long, and entered with state `s[ps]`; one program per (`CG` of its chunks, piece, head) loads
+    that state once and, for chunk i of the piece, `o += scale exp(d[ps, i] + G) (q s)` (d: the
+    decay of the piece's chunks before), the chunks' q and o pipelined. `o` is read and written
+    (the FFI call aliases it)."""
+    L, H, NT, NS, M = T.dynamic("L, H, NT, NS, M")
+    acc = "float32"
+    stages = stages or (2 if max(K, V) <= 128 else 1)  # (at K = V = 256 the state alone takes 128 KB)
+
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        g: T.Tensor((NT, H, BT), acc),
+        d: T.Tensor((NS, M, H), acc),
+        s: T.Tensor((NS, H, K, V), dtype),
+        first: T.Tensor((NS,), "int32"),
+        scale: T.float32,
+        o: T.Tensor((L, H, V), dtype),
+    ):
+        with T.Kernel(T.ceildiv(M, CG), NS, H, threads=128) as (ig, ps, ih):
+            s_s = T.alloc_shared((K, V), dtype)
+            q_s = T.alloc_shared((BT, K), dtype)
+            o_s = T.alloc_shared((BT, V), dtype)
+            f_s = T.alloc_shared((BT,), acc)
+            acc_o = T.alloc_fragment((BT, V), acc)
+            T.copy(s[ps, ih, 0:K, 0:V], s_s)
+            for i in T.Pipelined(T.min(CG, M - ig * CG), num_stages=stages):
+                c = first[ps] + ig * CG + i
+                T.copy(q[c * BT : (c + 1) * BT, ih, 0:K], q_s)
+                T.copy(o[c * BT : (c + 1) * BT, ih, 0:V], o_s)
+                for t in T.Parallel(BT):
+                    f_s[t] = scale * T.exp(d[ps, ig * CG + i, ih] + g[c, ih, t])
+                T.clear(acc_o)
+                T.gemm(q_s, s_s, acc_o)
+                for t, e in T.Parallel(BT, V):
+                    acc_o[t, e] = acc_o[t, e] * f_s[t] + T.cast(o_s[t, e], acc)
+                T.copy(acc_o, o[c * BT : (c + 1) * BT, ih, 0:V])
+
+    return main
