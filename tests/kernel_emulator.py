@@ -138,7 +138,7 @@ def _bwd_dqkvg(q, k, v, G, h, do, dh, *, scale, dv_dtype):
 def fwd_enter(q, g, d, s, first, o, *, scale):
     """kernels/simple_gla/fwd.py `chunk_fwd_enter`: chunk i of piece p (from chunk `first[p]`)
     plus `scale exp(d[p, i] + G) (q s[p])`, the other chunks as they were (G as per-chunk rows)."""
-    NS, M = d.shape[:2]
+    M = d.shape[1]
     rows = (first[:, None, None] + jnp.arange(M)[None, :, None]) * C + jnp.arange(C)[None, None]  # [NS, M, C]
     G = _rows_to_columns(g)[rows]  # [NS, M, C, H]
     qs = jnp.einsum("pmchk,phkv->pmchv", q[rows].astype(f32), s.astype(f32))
