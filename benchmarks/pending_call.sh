@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Seventeenth session (2026-12-04): use_qk_l2norm_in_kernel's gradient
-# folded into the delta rules' consumer (`dqkvg_l2`, dq of the raw q) and WY VJP (`wy_bwd_l2`, dk
-# of the raw k), timed beside the programs without it and the `norm_bwd` pass per tensor they
-# replace; `norm_bwd` now reads the stored y rather than x. Then the forward with no gradient
-# normalising q and k in its kernels (`inv_l2`: 1 / |k| off K K^T's diagonal, 1 / |q| off Q Q^T's;
-# `fused_t_l2`: rows scaled by them), timed beside `inv` and `fused_t` after XLA's pass. Then G and
-# beta as per-chunk rows `gr` that the forward-from-the-inverse pass loads by TMA (`gate_rows`),
-# timed beside the previous build's programs (copied into .prof/gen as old_*: OLD=dir).
+# session for what is owed). Eighteenth session (2026-12-04): the delta rules' reverse pass storing
+# du (`store_du`) and their consumer without dv (`no_dv`), timed beside the previous build's `dh`,
+# `dqkvg`, `dqkvg_l2` (copied into .prof/gen as old_*: OLD=dir); then simple GLA's forward in pieces
+# (`chunk_fwd_enter`, timed beside `fused`; SEL="split or test_tilelang_matches_float64").
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -21,7 +17,7 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(fla_delta_fwd_bf16_k128_v128_c64_{inv,inv_l2,fused_t,fused_t_l2})
+progs=(fla_delta_bwd_bf16_k128_v128_c64_{dh,dqkvg,dqkvg_l2})
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen

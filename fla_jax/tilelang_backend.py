@@ -2,13 +2,15 @@
 `fla_jax._ext`, called through XLA FFI custom calls.
 
 Built so far: simple GLA (`kernels/simple_gla/`): forward (one pass, states kept on chip; under a
-gradient it also stores the state before each chunk) and backward (reverse state-gradient pass, one
+gradient it also stores the state before each chunk; without one, where the pass's programs would
+leave SMs idle, in pieces of each sequence at once, `SPLIT_PROGRAMS`) and backward (reverse state-gradient pass, one
 fused dq/dk/dv/dg consumer), bf16/fp16 inputs, K = V in {64, 128, 256}, dense batches and
 `cu_seqlens`. GLA (`kernels/gla/`): the intra-chunk matrix A (chunk-wide on the tensor cores where
 the chunk's gate range allows, else by sub-chunks) and the gates' in-chunk cumulative sums, a
 forward state pass reading them, and the backward as simple GLA's (reverse state-gradient pass, one
 fused consumer that also takes the reverse cumulative sum of dg), with gates per key channel. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
-reverse state-gradient pass as kernels, and the backward's chunk-parallel parts by two more kernels
+reverse state-gradient pass (which also stores the gradient of v_new) as kernels, and the
+backward's chunk-parallel parts by two more kernels
 (switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`; switched off, JAX VJPs do them), and
 under a gradient `use_qk_l2norm_in_kernel` by a normalisation kernel each way.
 Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
