@@ -18,6 +18,51 @@ import tilelang.language as T
 from kernels.common import delta_loads, stage_loads
 
 
+def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims):
+    """The prim_func of a reverse pass `body` (a macro of the inputs and outputs), with `du` among
+    its outputs under `store_du` (TileLang varies a parameter list so)."""
+    L, H, HV, N, NT = dims
+    acc = "float32"
+    if store_du:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            do: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            dht: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            dh: T.Tensor((NT, HV, K, V), dtype),
+            dh0: T.Tensor((N, HV, K, V), acc),
+            du: T.Tensor((L, HV, V), dtype),
+        ):
+            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du)
+
+    else:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            w: T.Tensor((L, HV, K), dtype),
+            do: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            dht: T.Tensor((N, HV, K, V), acc),
+            cstart: T.Tensor((N,), "int32"),
+            ccount: T.Tensor((N,), "int32"),
+            scale: T.float32,
+            dh: T.Tensor((NT, HV, K, V), dtype),
+            dh0: T.Tensor((N, HV, K, V), acc),
+        ):
+            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, None)
+
+    return main
+
+
 def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
                            stages: int | None = None, store_du: bool = False):
     """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched kernel
@@ -89,44 +134,7 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                 T.gemm(w_s, dv_s, b_dh, transpose_A=True)
             T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
-    if store_du:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            dht: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            dh0: T.Tensor((N, HV, K, V), acc),
-            du: T.Tensor((L, HV, V), dtype),
-        ):
-            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            dht: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            dh0: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, None)
-
-    return main
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT))
 
 
 def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, row_factors: bool = True,
@@ -253,42 +261,6 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                 T.tma_store_wait()
                 T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
-    if store_du:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            dht: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            dh0: T.Tensor((N, HV, K, V), acc),
-            du: T.Tensor((L, HV, V), dtype),
-        ):
-            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            dht: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            dh0: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, None)
-
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
-    return main.with_attr("fla.disable_shared_memory_reuse", 1)
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT)).with_attr(
+        "fla.disable_shared_memory_reuse", 1)
