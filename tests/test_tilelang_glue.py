@@ -204,6 +204,39 @@ def test_glue_partitions_along_batch_and_heads(op, emulated, monkeypatch):
         assert err_ratio(want_g[n], got_g[n]) < 1e-6, n
 
 
+def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
+    """Simple GLA's forward in pieces (`SPLIT_PROGRAMS`) under an auto mesh with B and H sharded:
+    each device splits its own sequences (2 of them, one head: 4 pieces of 2 chunks); the same
+    values as unsharded, no collectives."""
+    import re
+
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
+    pieces = []
+
+    def record(target, results, *args, **attrs):
+        if target.endswith("_fused"):
+            pieces.append(args[-1].shape[0] * 64 * 8 // args[0].shape[0])  # pieces a sequence (of 8 chunks)
+        return kernel_emulator.call(target, results, *args, **attrs)
+
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    case = Case("simple_gla", 4, 64 * 8, 4, 64, 64, dtype="bfloat16", h0=True)
+    diff, _ = make_inputs(case, 43)
+    fwd = forward_outputs(case, "tilelang")
+    want_o, want_ht = fwd(diff)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+    spec = {"q": P("data", None, "model"), "k": P("data", None, "model"), "v": P("data", None, "model"),
+            "g": P("data", None, "model"), "initial_state": P("data", "model")}
+    with jax.set_mesh(mesh):
+        sdiff = {n: jax.device_put(a, NamedSharding(mesh, spec[n])) for n, a in diff.items()}
+        hlo = fwd.lower(sdiff).compile().as_text()
+        got_o, got_ht = fwd(sdiff)
+    assert not re.findall(r"all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce", hlo)
+    assert pieces and set(pieces) == {4}  # (the unsharded call, 16 programs: 4 pieces too)
+    assert err_ratio(want_o, got_o) < 1e-6 and err_ratio(want_ht, got_ht) < 1e-6
+
+
 @pytest.mark.parametrize("H,HV", [(2, 2), (1, 3)])
 def test_wy_vjp_matches_autodiff(H, HV, monkeypatch):
     """`_wy_vjp` (the WY preparation's VJP from the kernel's stored T) against JAX's VJP of the
