@@ -210,7 +210,8 @@ def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
     values as unsharded, no collectives."""
     import re
 
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
     pieces = []
