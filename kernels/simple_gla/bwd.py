@@ -278,19 +278,15 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             T.reduce_sum(prod_row, prod_one, dim=0)
             for i in T.Parallel(1):
                 hdh_s[i] = hdh_s[i] + prod_one[i]
-            if no_dv:
-                pass
-            elif split:
+            if not no_dv:
                 T.clear(acc_dv)
                 T.gemm(kd_s, dh_s, acc_dv)
                 T.gemm(a_s, do_s, acc_dv, transpose_A=True)
-                T.copy(acc_dv, dv[ik, it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
-            else:
-                T.clear(acc_dv)
-                T.gemm(kd_s, dh_s, acc_dv)
-                T.gemm(a_s, do_s, acc_dv, transpose_A=True)
-                T.copy(acc_dv, dv_s)
-                T.copy(dv_s, dv[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
+                if split:
+                    T.copy(acc_dv, dv[ik, it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
+                else:
+                    T.copy(acc_dv, dv_s)
+                    T.copy(dv_s, dv[it * BT : (it + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
             T.gemm(do_s, v_s, acc_da, transpose_B=True)
             T.gemm(do_s, h_s, acc_dq, transpose_B=True)
             T.gemm(v_s, dh_s, acc_dk, transpose_B=True)
