@@ -457,11 +457,10 @@ def call(target, results, *args, init=None, **attrs):
     programs = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)
     fn = next(f for suffix, f in programs.items() if target.endswith(suffix))
     attrs = {k: float(v) for k, v in attrs.items()}
-    # dv (the delta rules' consumer, which has none: dg) in parts, where the key channels are split
-    if target.endswith("_dqkvg"):
-        parted = results[2].shape if len(results) == 4 else results[2].shape[:1] * (len(results[2].shape) == 3)
-        if len(parted) in (1, 4):
-            attrs["parts"] = parted[0]
+    # where the key channels are split, results[2] has a leading axis of parts: dv [parts, L, H, V], or
+    # the delta rules' consumer (no dv, three results) dg [parts, L, HV]
+    if target.endswith("_dqkvg") and len(results[2].shape) == (4 if len(results) == 4 else 3):
+        attrs["parts"] = results[2].shape[0]
     out = fn(*args, **attrs)
     shapes = results if isinstance(results, tuple) else (results,)
     outs = out if isinstance(out, tuple) else (out,)
