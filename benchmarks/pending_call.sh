@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Eighteenth session (2026-12-04): the delta rules' reverse pass storing
-# du (`store_du`) and their consumer without dv (`no_dv`), timed beside the previous build's `dh`,
-# `dqkvg`, `dqkvg_l2` (copied into .prof/gen as old_*: OLD=dir); then simple GLA's forward in pieces
-# (`chunk_fwd_enter`, timed beside `fused`; SEL="split or test_tilelang_matches_float64").
+# session for what is owed). Nineteenth session (2026-12-04): the delta rules' training forward
+# normalising q and k in the WY kernel (`wy_t_l2`, timed beside `wy_t` and `norm`), the WY VJP
+# loading G, beta and r before dw's product, and G as per-chunk rows loaded by TMA in the
+# training passes (`fused_h`, `dh`; timed beside the previous build's, copied in as old_*: OLD=dir).
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -17,7 +17,7 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(fla_delta_bwd_bf16_k128_v128_c64_{dh,dqkvg,dqkvg_l2})
+progs=(fla_delta_fwd_bf16_k128_v128_c64_fused_h fla_delta_bwd_bf16_k128_v128_c64_dh)
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen

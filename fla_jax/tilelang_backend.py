@@ -69,7 +69,8 @@ DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
 # use_qk_l2norm_in_kernel folded into the kernels: under a gradient the normalisation's gradient in
 # the backward's consumer (dq; `dqkvg_l2`, at K <= 128) and WY VJP (dk; `wy_bwd_l2`) instead of a
 # `norm_bwd` pass per tensor after them (GDN fwd+bwd 1.375 -> 1.320 ms at 4,4096,16,128 bf16, H200,
-# 2026-12-04); without one, where the forward is the inverse's (DELTA_FWD_INVERSE), the normalisation
+# 2026-12-04), and the normalisation itself in the WY kernel (`wy_t_l2`, at K <= 128: y and 1 / |x|
+# written for the passes after it) instead of a `norm` pass per tensor before it; without one, where the forward is the inverse's (DELTA_FWD_INVERSE), the normalisation
 # itself in `inv_l2` and `fused_t_l2` (no normalised copy of q and k) instead of XLA's pass before
 # them. Tests run both settings.
 DELTA_L2NORM_FUSED = True
@@ -236,6 +237,12 @@ def _program(p: Problem, direction: str, K: int, name: str):
     return next(prog for prog in variant.programs if prog.name == name and not prog.of)
 
 
+def _gates_for(p: Problem, direction: str, K: int, name: str, G, C: int):
+    """The in-chunk cumulative gates `G [L, H]` as program `name` takes them: as they are, or where
+    it loads them by TMA (`g_rows`) as per-chunk rows `[NT, H, C]` (an XLA transpose)."""
+    return G.reshape(-1, C, G.shape[-1]).transpose(0, 2, 1) if dict(_program(p, direction, K, name).config).get("g_rows") else G
+
+
 def _value_parts(p: Problem, K: int, V: int) -> int:
     """In how many float32 parts the backward's consumer writes what sums over the key channels:
     1 (dv in the input dtype), or K / BK where it splits the key channels over programs (dv as
@@ -307,12 +314,19 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
         o, ht = _call(targets["fused_t_l2" if l2norm else "fused_t"], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, *gates,
                       h0, cstart, ccount, scale=np.float32(scale))
         return o.reshape(B, Lr, HV, V), ht
-    assert not l2norm, "only the forward from the inverse normalises q and k itself"
+    assert not l2norm or store_h, "the forward with no gradient normalises q and k itself only from the inverse"
+    norms = ()
     if p.delta:  # WY preparation kernel; the state pass reads w and u instead of v
         tm = (jax.ShapeDtypeStruct((NT, HV, C, C), jnp.float32),) if store_h else ()
-        wy = _call(_targets(p, "fwd", K, V)["wy_t" if store_h else "wy"], (_like(kf, dt, HV), _like(vf), *tm),
-                   kf, vf, Gf, flat[4])
-        ins, extra = (qf, kf, *wy[:2], Gf), (_like(vf),)  # extra result: v_new
+        if l2norm:  # (`wy_t_l2`) from the raw q and k; their normalised y and 1 / |x| for the passes after it
+            r = jax.ShapeDtypeStruct(qf.shape[:2], jnp.float32)
+            *wy, qf, kf, rq, rk = _call(_targets(p, "fwd", K, V)["wy_t_l2"], (_like(kf, dt, HV), _like(vf), *tm, _like(qf), _like(kf), r, r),
+                                        qf, kf, vf, Gf, flat[4])
+            norms = tuple(x.reshape(B, Lr, *x.shape[1:]) for x in (qf, kf, rq, rk))
+        else:
+            wy = _call(_targets(p, "fwd", K, V)["wy_t" if store_h else "wy"], (_like(kf, dt, HV), _like(vf), *tm),
+                       kf, vf, Gf, flat[4])
+        ins, extra = (qf, kf, *wy[:2], _gates_for(p, "fwd", K, "fused_h" if store_h else "fused", Gf, C)), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
     elif p.op == "gla":  # the intra-chunk matrix, G (both kept) and q exp(G), k exp(G_C - G) for the state pass
@@ -321,8 +335,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
         ins, extra = (qg, kg, vf, Gf, a), ()
         wy = (a.reshape(B, NT // B, *a.shape[1:]), Gf.reshape(B, Lr, *Gf.shape[1:]), qg.reshape(B, Lr, *qg.shape[1:])) if store_h else ()
     else:  # simple GLA: G as per-chunk rows `[NT, H, C]` where the pass loads them by TMA (`g_rows`)
-        rows = dict(_program(p, "fwd", K, "fused_h" if store_h else "fused").config).get("g_rows")
-        ins, extra = (qf, kf, vf, Gf.reshape(NT, C, -1).transpose(0, 2, 1) if rows else Gf), ()
+        ins, extra = (qf, kf, vf, _gates_for(p, "fwd", K, "fused_h" if store_h else "fused", Gf, C)), ()
         pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
         if pieces > 1:
             return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, B, C)
@@ -334,7 +347,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
     h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
     if p.delta and wy:  # and v_new, for the backward's consumer kernel
         wy = (*wy, out[1].reshape(B, Lr, HV, V))
-    return (out[0].reshape(B, Lr, HV, V), *h, *wy, out[-1])
+    return (out[0].reshape(B, Lr, HV, V), *h, *wy, *norms, out[-1])
 
 
 def _pieces(B: int, H: int, V: int, nt: int) -> int:
@@ -413,7 +426,8 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, *arrays):
     # value heads -> q/k heads (nothing where they are the same)
     group_sum = lambda x: x if HV == H else x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)
     # (with dv_new, `du`, the gradient of v_new that its chain forms)
-    dh, dh0, du = _call(bwd["dh"], (_like(hf), _like(dht), _like(vf)), qf, kf, wd, dof, Gf, dht, cstart, ccount, scale=s)
+    dh, dh0, du = _call(bwd["dh"], (_like(hf), _like(dht), _like(vf)), qf, kf, wd, dof, _gates_for(p, "bwd", K, "dh", Gf, C), dht,
+                        cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     heads = lambda x: _like(x, None, HV)
     # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
@@ -470,7 +484,8 @@ def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2
         fn = functools.partial(_backward, p, scale, switches, l2norm)
     else:
         ins = tokens + (state,) + tables
-        outs = ("bthv", "bchkv") + _stored_layouts(p) + (state,) if direction == "fwd_h" else ("bthv", state)
+        norms = ("bthk", "bthk", "bth", "bth") if l2norm else ()  # (fwd_h from the raw q, k: their y and 1 / |x|)
+        outs = ("bthv", "bchkv") + _stored_layouts(p) + norms + (state,) if direction == "fwd_h" else ("bthv", state)
         fn = functools.partial(_forward, p, scale, direction == "fwd_h", l2norm)
     return _partition.batch_head_partitioned(fn, ins, outs)
 
@@ -479,6 +494,13 @@ def _folds_l2norm(p: Problem, K: int) -> bool:
     """Whether the forward with no gradient normalises q and k in its kernels (the inverse and the
     state pass from it, `inv_l2`, `fused_t_l2`), rather than after XLA's pass."""
     return p.delta and K in DELTA_FWD_INVERSE and DELTA_L2NORM_FUSED and "inv_l2" in _targets(p, "fwd", K, K)
+
+
+def _folds_l2norm_h(p: Problem, K: int) -> bool:
+    """Whether the forward under a gradient normalises q and k in its WY kernel (`wy_t_l2`, which
+    also writes them normalised and their `1 / |x|` for the backward), rather than by a `norm`
+    pass each before it."""
+    return p.delta and DELTA_L2NORM_FUSED and "wy_t_l2" in _targets(p, "fwd", K, K)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -496,10 +518,14 @@ def _op(p, scale, l2norm, *arrays):
 def _op_fwd(p, scale, l2norm, *arrays):
     n = len(_token_layouts(p))
     norms = ()
-    if l2norm:  # the normalised q, k in place of the raw ones, and 1 / |q|, 1 / |k| for the backward
+    folded = l2norm and _folds_l2norm_h(p, arrays[0].shape[-1])
+    if l2norm and not folded:  # the normalised q, k in place of the raw ones, and 1 / |q|, 1 / |k| for the backward
         qn, kn, *norms = _norm_partitioned(p)(*arrays[:2])
         arrays = (qn, kn, *arrays[2:])
-    o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + 1)(*arrays)
+    o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + 1, folded)(*arrays)
+    if folded:  # (the WY kernel normalised them)
+        *wy, qn, kn, rq, rk = wy
+        arrays, norms = (qn, kn, *arrays[2:]), (rq, rk)
     return (o, ht), (arrays[:n], h, (*wy, *norms), arrays[n + 1 :])
 
 

@@ -73,6 +73,14 @@ FLAT_BV32: Final = (("stages", 2), ("specialized", False), ("BV", 32))
 # consumer forms dq, dk, dg only (neither Q K^T nor the two products per V block that formed du again)
 DU: Final = (("store_du", True),)
 NO_DV: Final = (("delta", True), ("no_dv", True))
+# the delta rules' training passes (the forward storing h, the reverse pass) at K <= 128 take G as per-chunk
+# rows `[NT, HV, C]` and load them by TMA with the stage (each loading thread's load of a column delayed it)
+G_ROWS: Final = (("g_rows", True),)
+# the forward state passes' chain warpgroup forms exp(G_C - G) once per row of v (v_new) rather than once per element
+# (the same bits): the delta rules' forward storing h 0.173 -> 0.156 ms at 4,4096,16,128 (with G_ROWS; 0.170 with
+# G_ROWS alone), 0.309 -> 0.257 at 2,8192,16,128; at K = 256 `fused` 0.436 -> 0.400, `fused_h` 0.464 -> 0.451;
+# simple GLA's `fused` 0.101 -> 0.095 (bf16, H200, 2026-12-04, ten launches a sample, old and new in one call)
+ROW_FACTORS: Final = (("row_factors", True),)
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -81,11 +89,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # stages (0.073 against 0.089 ms with two at 8,2048,16,64 bf16, H200, 2026-12-03; at K = 128
         # 0.1004 / 0.1823 against 0.1025 / 0.1844 at 4,4096,16,128 / 2,8192,16,128, 2026-12-04, ten
         # launches a sample, interleaved)
-        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("g_rows", True), ("stages", 3),),
-                dims=(64, 128)),
+        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(("g_rows", True), ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=(("g_rows", True),)),
-        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"), config=(("g_rows", True), ("store_h", True),),
-                dims=(128,)),
+        # (with ROW_FACTORS 0.134 against 0.125 ms at 4,4096,16,128 bf16, H200, 2026-12-04: not taken here)
+        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
+                config=(("g_rows", True), ("store_h", True)), dims=(128,)),
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("g_rows", True), ("store_h", True),),
                 dims=(64, 256)),
         # the forward split into pieces (SPLIT_PROGRAMS): what the pieces' entering states add to o, in place
@@ -96,9 +105,17 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="norm", module="delta.norm", builder="l2norm_fwd", outputs=("y", "r")),
         Program(name="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u")),
         Program(name="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"), config=(("store_t", True),)),
-        Program(name="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht")),
+        # and under a gradient with use_qk_l2norm_in_kernel (at K <= 128) from the raw q and k: r = 1 / |x| read off
+        # the diagonals of K K^T and Q Q^T, the normalised y = x r and r written for the passes after it (no `norm`)
+        Program(name="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t", "yq", "yk", "rq", "rk"),
+                config=(("store_t", True), ("l2norm", True)), dims=(64, 128)),
+        Program(name="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"), config=ROW_FACTORS),
+        # (at K <= 128 with G as per-chunk rows `[NT, HV, C]`, loaded by TMA with the stage: `G_ROWS`; and
+        # warpgroup 0's exp(G_C - G) once per row)
         Program(name="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
-                config=(("store_h", True),)),
+                config=(("store_h", True), *G_ROWS, *ROW_FACTORS), dims=(64, 128)),
+        Program(name="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
+                config=(("store_h", True), *ROW_FACTORS), dims=(256,)),
         # the forward with no gradient under DELTA_FWD_INVERSE: the gate-free inverse alone, then a state
         # pass that forms v_new from it with no w and u (jla's fused_fwd_wy)
         # (at K <= 128 also writing G and beta as the rows of `gr [NT, HV, 2, C]`, which the state pass loads by
@@ -115,19 +132,21 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # same bits (2026-12-04). (With three warpgroups, 2026-12-03, S^T gained nothing: the output
         # warpgroup bounded that pass.)
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("transposed", True), ("gate_rows", True)), dims=(64, 128)),
+                config=(("prep", True), ("transposed", True), ("gate_rows", True), ("col_factors", True)), dims=(64, 128)),
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), dims=(256,)),
         # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
         # (and 1 / |q| off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them
         Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
                 config=(("inverse_only", True), ("gate_rows", True), ("l2norm", True)), dims=(64, 128)),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("transposed", True), ("gate_rows", True), ("l2norm", True)), dims=(64, 128)),
+                config=(("prep", True), ("transposed", True), ("gate_rows", True), ("l2norm", True), ("col_factors", True)),
+                dims=(64, 128)),
     ),
     ("delta", "bwd"): (
         # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit). Each also
         # stores du, the gradient of v_new its chain forms (`store_du`), which the consumer formed again before
-        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"), config=DU, dims=(64, 128)),
+        Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"), config=(*DU, *G_ROWS),
+                dims=(64, 128)),
         Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0", "du"), config=DU, dims=(256,)),
         # the simple GLA consumer on v_new, less dv (`no_dv`: the reverse pass stored it): with DELTA_FUSED_BWD (the default)
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
@@ -244,7 +263,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_fused_s3", of="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"),
                 config=(("stages", 3),)),
         Program(name="x_fused_h_1wg", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd_1wg",
-                outputs=("o", "vnew", "h", "ht"), config=(("store_h", True),)),
+                outputs=("o", "vnew", "h", "ht"), config=(("store_h", True), *G_ROWS)),
+        # G's rows by TMA, exp(G_C - G) per element
+        Program(name="x_fused_h_rows", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd",
+                outputs=("o", "vnew", "h", "ht"), config=(("store_h", True), *G_ROWS)),
         # the forward from T0 in three warpgroups (dispatched before); and with the fourth warpgroup also
         # forming k exp(G_C - G) so that warpgroup 0 updates the state from the published v_new (`decay_k`):
         # slower, 0.183 / 0.349 ms against 0.175 / 0.345 without at 4,4096,16,128 / 2,8192,16,128 (bf16,
@@ -318,10 +340,11 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the delta rules' state-gradient pass in one warpgroup (the default before)
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
-        Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0", "du"), config=DU),
+        Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0", "du"),
+                config=(*DU, *G_ROWS)),
         # warpgroup 1 rescaling k and q in place element by element (dispatched before 2026-12-04)
         Program(name="x_dh_prev", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"),
-                config=(*DU, ("row_factors", False))),
+                config=(*DU, *G_ROWS, ("row_factors", False))),
         Program(name="x_wy_bwd_sync", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("tma_loads", False), ("tma_stores", False))),
         # dvb = T^T du formed once: 0.442 / 0.441 ms against 0.457 / 0.429 at 4,4096,16,128 / 2,8192,16,128

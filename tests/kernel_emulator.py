@@ -252,6 +252,8 @@ def _delta_states(q, k, G, h0, cstart, ccount, *, scale, v_new):
 
 def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
     """kernels/delta/fwd.py `chunk_delta_fwd(store_h=True)`: o, v_new, h, ht."""
+    if G.ndim == 3:  # per-chunk rows (`g_rows`)
+        G = _rows_to_columns(G)
     wc, uc = _chunks(w)[0], _chunks(u)[0]
     v_new = lambda n, Sd: (uc[n] - jnp.einsum("chk,hkv->chv", wc[n], Sd)).astype(q.dtype).astype(f32)
     return _delta_states(q, k, G, h0, cstart, ccount, scale=scale, v_new=v_new)
@@ -333,6 +335,8 @@ def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
 def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
     """kernels/delta/bwd.py `chunk_delta_bwd_dh(store_du=True)`: dh (after each chunk), dh0 and
     du, the gradient of v_new (input dtype)."""
+    if G.ndim == 3:  # per-chunk rows (`g_rows`)
+        G = _rows_to_columns(G)
     HV = do.shape[1]
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
     qc, kc, wc, doc, Gc = (_chunks(x)[0] for x in (rep(q), rep(k), w, do, G))
@@ -379,6 +383,13 @@ def delta_wy_t(k, v, G, beta):
     """kernels/delta/wy.py `chunk_delta_wy(store_t=True)`: w, u (input dtype), T (float32)."""
     w, u, Tm = _wy(jnp.repeat(k, v.shape[1] // k.shape[1], axis=1), v, G, beta)
     return w.astype(k.dtype), u.astype(k.dtype), Tm
+
+
+def delta_wy_t_l2(q, k, v, G, beta):
+    """`chunk_delta_wy(store_t=True, l2norm=True)`: `delta_wy_t` of the normalised k, and the
+    normalised q, k (input dtype) and their `1 / |x|` (float32 `[L, H]`)."""
+    (yq, rq), (yk, rk) = l2norm_fwd(q), l2norm_fwd(k)
+    return (*delta_wy_t(yk, v, G, beta), yq, yk, rq, rk)
 
 
 def delta_wy(k, v, G, beta):
@@ -447,7 +458,7 @@ def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):
 
 
 DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": delta_inv_l2, "_fused_t_l2": delta_fwd_fused_t_l2, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
-                  "_wy_t": delta_wy_t, "_dqkvg": delta_bwd_dqkvg, "_dqkvg_l2": delta_bwd_dqkvg_l2,
+                  "_wy_t": delta_wy_t, "_wy_t_l2": delta_wy_t_l2, "_dqkvg": delta_bwd_dqkvg, "_dqkvg_l2": delta_bwd_dqkvg_l2,
                   "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2}
 
 

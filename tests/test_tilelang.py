@@ -262,7 +262,9 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
             return (like(v), *h, like(h0)), (q, k, v, g, h0, cstart, ccount), scale
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)  # w, u: T (k beta e^G) and T (v beta) in scale
-        return (like(v), like(v), *h, like(h0)), (q, k, w, v, G, h0, cstart, ccount), scale
+        prog = next(p for p in variants.find(op, "fwd", dtype, D, D).programs if p.name == name)
+        g = per_chunk(G) if dict(prog.config).get("g_rows") else G
+        return (like(v), like(v), *h, like(h0)), (q, k, w, v, g, h0, cstart, ccount), scale
     if (op, name) == ("delta", "fused_t"):  # the forward from T0: a unit lower triangular T0 in scale
         q, k, v, h0 = x(L, H, D), unit(x(L, H, D)), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         t = (jnp.tril(jnp.asarray(rng.standard_normal((NT, H, 64, 64)) * 0.1, jnp.float32), -1) + jnp.eye(64)).astype(dtype)
@@ -276,7 +278,9 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         q, k, do, dht = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)
-        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht), like(do)), (q, k, w, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
+        prog = next(p for p in variants.find(op, "bwd", dtype, D, D).programs if p.name == name)
+        g = per_chunk(G) if dict(prog.config).get("g_rows") else G
+        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht), like(do)), (q, k, w, do, g, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy", "wy_t"):
         k = unit(x(L, H, D))
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
@@ -714,15 +718,17 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeyp
     monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
     monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", norm_fused)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    # under a gradient q and k are normalised by a kernel each (XLA's pass without one); their
-    # gradients by the consumer (at K <= 128) and the WY VJP where DELTA_L2NORM_FUSED and both
-    # run, else by a pass each
+    # under a gradient q and k are normalised by the WY kernel (`wy_t_l2`, where DELTA_L2NORM_FUSED
+    # and K <= 128) or by a kernel each before it (XLA's pass without a gradient); their gradients
+    # by the consumer (at K <= 128) and the WY VJP where DELTA_L2NORM_FUSED and both run, else by
+    # a pass each
     q_norm, k_norm = norm_fused and fused and K <= 128, norm_fused and fused and wy_kernel
     if K in tilelang_backend.DELTA_FWD_INVERSE:  # (with DELTA_L2NORM_FUSED from the raw q and k)
         programs = [("fwd", "inv_l2"), ("fwd", "fused_t_l2")] if norm_fused else [("fwd", "inv"), ("fwd", "fused_t")]
     else:
         programs = [("fwd", "wy"), ("fwd", "fused")]
-    programs += [("fwd", "norm")] * 2 + [("fwd", "wy_t"), ("fwd", "fused_h"), ("bwd", "dh")]
+    programs += [("fwd", "wy_t_l2")] if norm_fused and K <= 128 else [("fwd", "norm")] * 2 + [("fwd", "wy_t")]
+    programs += [("fwd", "fused_h"), ("bwd", "dh")]
     programs += [("bwd", "dqkvg_l2" if q_norm else "dqkvg")] * fused + [("bwd", "wy_bwd_l2" if k_norm else "wy_bwd")] * wy_kernel
     programs += [("bwd", "norm_bwd")] * (2 - q_norm - k_norm)
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]

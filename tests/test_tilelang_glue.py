@@ -116,10 +116,11 @@ def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
 
 @pytest.mark.parametrize("case", [c for c in DELTA_CASES if c.l2norm] + [Case("gated_delta_rule", 1, 100, 1, 256, 256, HV=2, dtype="bfloat16", l2norm=True)], ids=str)
 def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
-    """use_qk_l2norm_in_kernel under a gradient: with DELTA_L2NORM_FUSED the consumer and the WY
-    VJP take the normalisation's gradient (`dqkvg_l2`, `wy_bwd_l2`; at K = 256, where the consumer
-    splits a row's channels, dq by `norm_bwd`), without it a `norm_bwd` pass per tensor; both
-    against the float64 recurrence (emulated kernels)."""
+    """use_qk_l2norm_in_kernel under a gradient: with DELTA_L2NORM_FUSED the WY kernel normalises q
+    and k (`wy_t_l2`, at K <= 128; a `norm` pass per tensor before it elsewhere), and the consumer
+    and the WY VJP take the normalisation's gradient (`dqkvg_l2`, `wy_bwd_l2`; at K = 256, where
+    the consumer splits a row's channels, dq by `norm_bwd`); without it a `norm` and a `norm_bwd`
+    pass per tensor; both against the float64 recurrence (emulated kernels)."""
     calls = []
 
     def record(target, *args, **attrs):
@@ -138,6 +139,8 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
         bwd = [c for c in calls if c in ("dqkvg", "dqkvg_l2", "wy_bwd", "wy_bwd_l2", "norm_bwd")]
         want = (["dqkvg_l2" if case.K <= 128 else "dqkvg", "wy_bwd_l2"] + ["norm_bwd"] * (case.K > 128)) if on else ["dqkvg", "wy_bwd", "norm_bwd", "norm_bwd"]
         assert bwd == want, (on, calls)
+        fwd = [c for c in calls if c in ("norm", "wy_t", "wy_t_l2")]
+        assert fwd == (["wy_t_l2"] if on and case.K <= 128 else ["norm", "norm", "wy_t"]), (on, calls)
         errs = {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff}
         print(case, on, {n: f"{e:.1e}" for n, e in errs.items()})
         assert all(e <= tol for e in errs.values()), (on, errs)

@@ -18,11 +18,12 @@ import tilelang.language as T
 from kernels.common import delta_loads, stage_loads
 
 
-def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims):
+def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims, g_rows: bool = False):
     """The prim_func of a reverse pass `body` (a macro of the inputs and outputs), with `du` among
     its outputs under `store_du` (TileLang varies a parameter list so)."""
     L, H, HV, N, NT = dims
     acc = "float32"
+    gshape = (NT, HV, 64) if g_rows else (L, HV)  # (G as per-chunk rows, BT = 64)
     if store_du:
 
         @T.prim_func
@@ -31,7 +32,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims):
             k: T.Tensor((L, H, K), dtype),
             w: T.Tensor((L, HV, K), dtype),
             do: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
             dht: T.Tensor((N, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
@@ -50,7 +51,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims):
             k: T.Tensor((L, H, K), dtype),
             w: T.Tensor((L, HV, K), dtype),
             do: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
             dht: T.Tensor((N, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
@@ -64,7 +65,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims):
 
 
 def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                           stages: int | None = None, store_du: bool = False):
+                           stages: int | None = None, store_du: bool = False, g_rows: bool = False):
     """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched kernel
     at K = 256, and at K <= 128 before `chunk_delta_bwd_dh` (kept as the experiment `x_dh_1wg`).
     The rows' factors `exp(G_C - G)`, `exp(G)` are formed once per chunk into shared memory (as
@@ -104,7 +105,10 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                 T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
                 T.copy(w[t0 : t0 + BT, ihv, 0:K], w_s)
                 T.copy(do[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], do_s)
-                T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
+                if g_rows:
+                    T.copy(g[c1 - ir, ihv, 0:BT], g_s)
+                else:
+                    T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
                 T.copy(b_dh, dh_s)
                 T.copy(dh_s, dh[c1 - ir, ihv, 0:K, iv * BV : (iv + 1) * BV])
                 # dv_new = A^T do + kd dS   (A: the masked, decayed, scaled Q K^T)
@@ -134,11 +138,11 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                 T.gemm(w_s, dv_s, b_dh, transpose_A=True)
             T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT))
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT), g_rows=g_rows)
 
 
 def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, row_factors: bool = True,
-                       store_du: bool = False):
+                       store_du: bool = False, g_rows: bool = False):
     """The reverse pass, warp-specialized as the forward's (`kernels/delta/fwd.py`): three
     warpgroups per (V block, sequence * value head) program, K <= 128 (at K = 256 two stages would
     not fit in shared memory: `chunk_delta_bwd_dh_1wg` there).
@@ -161,7 +165,10 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
     `store_du`: one more output, `du [L, HV, V]` (input dtype), the gradient of v_new that the
     chain forms anyway (`dv_new`, rounded as the `w^T dv_new` product takes it), stored by TMA
     from a tile of its own once the chunk's products are issued; the consumer then need not form
-    it again (`chunk_bwd_dqkvg(no_dv=True)`)."""
+    it again (`chunk_bwd_dqkvg(no_dv=True)`).
+
+    `g_rows`: G as per-chunk rows `[NT, HV, BT]`, loaded by TMA with the stage (as
+    `chunk_delta_fwd(g_rows=True)`)."""
     assert K <= 128, "K = 256: chunk_delta_bwd_dh_1wg"
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
@@ -197,7 +204,10 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
             c1 = cstart[n] + ccount[n] - 1
             nc = ccount[n]
             with T.ws(2):
-                stage_loads(delta_loads(q, k, w, do, g, q_s, k_s, w_s, do_s, g_s, ih, ihv, iv), full, free, nc, stages, c1, -1)
+                loads = delta_loads(q, k, w, do, g, q_s, k_s, w_s, do_s, g_s, ih, ihv, iv)  # q, k, w, do, G
+                if g_rows:  # G's per-chunk row by TMA
+                    loads = (*loads[:-1], (lambda c: g[c, ihv, 0:BT], g_s, True))
+                stage_loads(loads, full, free, nc, stages, c1, -1)
             with T.ws(1):
                 T.set_max_nreg(232, 1)
                 for i in T.serial(nc):
@@ -262,5 +272,5 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                 T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT)).with_attr(
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT), g_rows=g_rows).with_attr(
         "fla.disable_shared_memory_reuse", 1)

@@ -27,11 +27,13 @@ from kernels.common import (
 )
 
 
-def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
+def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows: bool = False):
     """The prim_func of a state pass `body` (a macro of the inputs and outputs), with the stored
-    states `h` among its outputs under `store_h` (TileLang varies a parameter list so)."""
+    states `h` among its outputs under `store_h` (TileLang varies a parameter list so); `g_rows`:
+    G as per-chunk rows `[NT, HV, BT]`."""
     L, H, HV, N, NT = dims
     acc = "float32"
+    gshape = (NT, HV, 64) if g_rows else (L, HV)  # (G as per-chunk rows, BT = 64)
     if store_h:
 
         @T.prim_func
@@ -40,7 +42,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
             k: T.Tensor((L, H, K), dtype),
             w: T.Tensor((L, HV, K), dtype),
             u: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
             h0: T.Tensor((N, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
@@ -60,7 +62,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
             k: T.Tensor((L, H, K), dtype),
             w: T.Tensor((L, HV, K), dtype),
             u: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
             h0: T.Tensor((N, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
@@ -75,9 +77,9 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims):
 
 
 def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                        stages: int | None = None, store_h: bool = False):
+                        stages: int | None = None, store_h: bool = False, g_rows: bool = False):
     """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched forward
-    before `chunk_delta_fwd`, kept as the experiment `x_fused_1wg`."""
+    before `chunk_delta_fwd`, kept as the experiment `x_fused_1wg`. `g_rows` as `chunk_delta_fwd`'s."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     threads = threads or (256 if K > 128 else 128)
@@ -112,7 +114,10 @@ def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 6
                 T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
                 T.copy(w[t0 : t0 + BT, ihv, 0:K], w_s)
                 T.copy(u[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], u_s)
-                T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
+                if g_rows:
+                    T.copy(g[c0 + i, ihv, 0:BT], g_s)
+                else:
+                    T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
                 T.copy(b_h, h_s)
                 if store_h:
                     T.copy(h_s, h[c0 + i, ihv, 0:K, iv * BV : (iv + 1) * BV])
@@ -125,11 +130,11 @@ def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 6
                 step(q_s, k_s, vn_s, h_s, g_s, b_h, kd_s, s_s, o_s, acc_o, acc_s, o, t0, ihv, iv, scale)
             T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
 
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT))
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT), g_rows=g_rows)
 
 
 def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
-                    store_h: bool = False, single_qw: bool | None = None):
+                    store_h: bool = False, single_qw: bool | None = None, g_rows: bool = False, row_factors: bool = False):
     """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * value head) program.
 
@@ -146,7 +151,14 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
     `single_qw` (the default at K = 256): two stages of k, u and G, but one buffer each of q and w
     with barriers of their own (`stage_loads`' `singles`): w is refilled once warpgroup 0's first
     GEMM has read it, q once warpgroup 1's `q S` has; 208.5 KB of shared memory at K = 256, where
-    two stages of everything would take 272 KB and one stage left every load exposed."""
+    two stages of everything would take 272 KB and one stage left every load exposed.
+
+    `g_rows`: G as per-chunk rows `[NT, HV, BT]` (XLA transposes the `[L, HV]` cumulative sum),
+    loaded by TMA with the stage instead of by the loading warpgroup's threads, whose load delayed
+    each stage's arrival (Nsight Compute, 2026-12-04: a third of that warpgroup's samples).
+    `row_factors`: warpgroup 0 (the bound: Nsight Compute found it waiting in 5 % of its samples,
+    the rest its elementwise work and its products) forms `exp(G_C - G)` once per row of its
+    fragment rather than once per element of v_new; the same bits."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     if single_qw is None:
@@ -174,6 +186,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             acc_v = T.alloc_fragment((BT, BV), acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
+            fv = T.alloc_fragment((BT,), acc) if row_factors else None  # warpgroup 0's exp(G_C - G)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
             free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
             s_ready = T.alloc_barrier([128])  # warpgroup 0 published S and v_new
@@ -181,6 +194,8 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             c0 = cstart[n]
             nc = ccount[n]
             loads = delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv)  # q, k, w, u, G
+            if g_rows:  # G's per-chunk row by TMA
+                loads = (*loads[:-1], (lambda c: g[c, ihv, 0:BT], g_s, True))
             one_full = one_free = q_sync = None
             singles = ()
             if single_qw:  # w's and q's own buffers: landed (w, q), read by warpgroup 0 / 1
@@ -218,8 +233,14 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                     T.tma_copy(vn_s, vnew[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
                     if store_h:
                         T.tma_copy(h_s, h[c0 + i, ihv, 0:K, iv * BV : (iv + 1) * BV])
-                    for r, c in T.Parallel(BT, BV):
-                        vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                    if row_factors:  # exp(G_C - G) once per row, not per element
+                        for r in T.Parallel(BT):
+                            fv[r] = T.exp(g_s[slot, BT - 1] - g_s[slot, r])
+                        for r, c in T.Parallel(BT, BV):
+                            vd_s[r, c] = T.cast(acc_v[r, c] * fv[r], dtype)
+                    else:
+                        for r, c in T.Parallel(BT, BV):
+                            vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
                     for r, c in T.Parallel(K, BV):
                         b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
                     T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
@@ -235,12 +256,13 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                                  t0, ihv, iv, scale, True, i, q_sync=q_sync)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT)).with_attr("fla.disable_shared_memory_reuse", 1)
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT), g_rows=g_rows).with_attr(
+        "fla.disable_shared_memory_reuse", 1)
 
 
 def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
                       prep: bool = False, decay_k: bool = False, transposed: bool = False, l2norm: bool = False,
-                      gate_rows: bool = False):
+                      gate_rows: bool = False, col_factors: bool = False):
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
@@ -299,7 +321,11 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     4,4096,16,128); the normalisation becomes row factors of what the pass forms anyway:
     `U^T`'s columns and the decayed `v_new^T`'s times rk, P's rows and columns times rq and rk,
     and the output's `exp(G)` row factor times rq (the third warpgroup writes `G + log rq` for the
-    output warpgroup with P)."""
+    output warpgroup with P).
+
+    `col_factors` (with `transposed`): warpgroup 0 forms `exp(G) / |k|` and `exp(G_C - G) / |k|`
+    once per column of its `[BV, BT]` fragments (16 of each per thread) rather than once per
+    element (32 each); the same bits."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     stages = stages or (2 if K <= 128 else 1)
@@ -350,6 +376,9 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             if transposed:  # S^T and W^T / the decayed v_new^T as GEMM operands in registers
                 s_lo = T.alloc_fragment((BV, K), dtype)
                 x_t = T.alloc_fragment((BV, BT), dtype)
+                if col_factors:  # exp(G) and exp(G_C - G) (times 1 / |k|) once per column of v_new^T
+                    fe = T.alloc_fragment((BT,), acc)
+                    fd = T.alloc_fragment((BT,), acc)
             else:
                 w_s = T.alloc_shared((BT, BV), dtype)
                 vd_s = T.alloc_shared((BT, BV), dtype)
@@ -433,8 +462,15 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 T.copy(s_lo, h_s)
                                 T.clear(acc_v)
                                 T.gemm(s_lo, k_s[slot, :, :], acc_v, transpose_B=True)
-                                for r, c in T.Parallel(BV, BT):
-                                    x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * T.exp(G(slot, c)) * kf(slot, c), dtype)
+                                if col_factors:
+                                    for c in T.Parallel(BT):
+                                        fe[c] = T.exp(G(slot, c)) * kf(slot, c)
+                                        fd[c] = T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c)
+                                    for r, c in T.Parallel(BV, BT):
+                                        x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * fe[c], dtype)
+                                else:
+                                    for r, c in T.Parallel(BV, BT):
+                                        x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * T.exp(G(slot, c)) * kf(slot, c), dtype)
                             else:  # W = v - exp(G) (k S), through shared memory
                                 T.copy(b_h, h_s)
                                 T.clear(acc_v)
@@ -455,7 +491,13 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 for r, c in T.Parallel(K, BV):
                                     b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                                 T.gemm(kd_s[slot, :, :], vn_s, b_h, transpose_A=True)
-                    if transposed:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
+                    if transposed and col_factors:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
+                        for r, c in T.Parallel(BV, BT):
+                            x_t[r, c] = T.cast(acc_v[r, c] * fd[c], dtype)
+                        for r, c in T.Parallel(BV, K):
+                            b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
+                        T.gemm(x_t, k_s[slot, :, :], b_h)
+                    elif transposed:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
                         for r, c in T.Parallel(BV, BT):
                             x_t[r, c] = T.cast(acc_v[r, c] * T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c), dtype)
                         for r, c in T.Parallel(BV, K):

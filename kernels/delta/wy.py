@@ -80,7 +80,13 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     off its own diagonal, and two more rows of `gr` (R = 4): the chunk's `1 / |q|` (off `Q Q^T`'s
     diagonal), then its `1 / |k|`, per value head, by which the state pass scales its rows
     (`chunk_delta_fwd_t(l2norm=True)`): no normalised copy of q and k in HBM (XLA's pass took
-    0.06 ms of the 0.33 of a GDN forward at 4,4096,16,128)."""
+    0.06 ms of the 0.33 of a GDN forward at 4,4096,16,128).
+    `l2norm` with `store_t` (the forward under a gradient, `wy_t_l2`): w, u and T of the
+    normalised k from the raw q and k, `r` read off the diagonals as above, and the normalised
+    `y = x r` (input dtype, k's formed in place for w's product) and `r` (float32 `[L, H]`)
+    written for the passes after it, once per q/k head (by the group's first value head): 0.208
+    ms at 4,4096,16,128 bf16 on an H200 against `wy_t` 0.158 + two `l2norm_fwd` passes 0.040
+    each (2026-12-04)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (128 if inverse_only or max(K, V) <= 128 else 256)
@@ -96,7 +102,10 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     assert not blocked or (BT == 64 and (threads == 128 or (threads == 256 and warp_diagonal))), \
         "the blocked inverse is written for BT = 64, 128 threads (or 256 with warp_diagonal)"
     assert not merged or (BT == 64 and threads == 128), "the merged inverse is written for BT = 64, 128 threads"
-    assert not l2norm or (gate_rows and tma_loads), "l2norm is written for gate_rows and tma_loads (q arrives by TMA)"
+    assert not l2norm or (tma_loads and (gate_rows or store_t)), \
+        "l2norm is written for tma_loads (q arrives by TMA), and for gate_rows or store_t"
+    normalise = l2norm and not inverse_only  # (the training forward) y_q, y_k, r_q, r_k written
+    assert not normalise or store_t, "l2norm without inverse_only is written for store_t (the training forward)"
     assert not gate_rows or inverse_only, "gate_rows is written for the inverse alone"
 
     @T.macro
@@ -219,7 +228,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     split = _hi_lo(BT, dtype, scaled=True)
 
     @T.macro
-    def body(k, v, g, beta, w, u, t, qx=None, gr=None):
+    def body(k, v, g, beta, w, u, t, qx=None, gr=None, yq=None, yk=None, rq=None, rk=None):
         with T.Kernel(T.ceildiv(L, BT), HV, threads=threads) as (ic, ihv):
             ih = ihv // (HV // H)
             t0 = ic * BT
@@ -233,6 +242,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             if l2norm:
                 q_s = T.alloc_shared((BT, K), dtype)
                 r_s = T.alloc_shared((BT,), acc)
+            if normalise:
+                rq_s = T.alloc_shared((BT,), acc)
             if gate_rows:
                 gi_s = T.alloc_shared((BT,), acc)
             if not inverse_only:
@@ -243,15 +254,16 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 acc_w = T.alloc_fragment((BT, K), acc)
                 acc_u = T.alloc_fragment((BT, V), acc)
             if tma_loads:  # k and v in flight at once, beside G and beta
-                kv_full = T.alloc_barrier([1, 1])
+                kv_full = T.alloc_barrier([1, 1, 1] if normalise else [1, 1])
+                qb = 2 if normalise else 1  # q's barrier
                 T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s, barrier=kv_full[0])
                 arrive_once(kv_full, 0)
                 if not late_v and not inverse_only:
                     T.tma_copy(v[t0 : t0 + BT, ihv, 0:V], v_s, barrier=kv_full[1])
                     arrive_once(kv_full, 1)
                 if l2norm:
-                    T.tma_copy(qx[t0 : t0 + BT, ih, 0:K], q_s, barrier=kv_full[1])
-                    arrive_once(kv_full, 1)
+                    T.tma_copy(qx[t0 : t0 + BT, ih, 0:K], q_s, barrier=kv_full[qb])
+                    arrive_once(kv_full, qb)
             else:
                 T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
                 if not late_v and not inverse_only:
@@ -276,18 +288,41 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                     if a == b:
                         r_s[a] = T.rsqrt(acc_a[a, b] + 1e-6)
                 T.sync_threads()
-                decay = lambda a, b: r_s[a] * r_s[b]
-                for a in T.Parallel(BT):
-                    gr[ic, ihv, 3, a] = r_s[a]
+                if normalise:
+                    decay = lambda a, b: T.exp(g_s[a] - g_s[b]) * r_s[a] * r_s[b]
+                else:
+                    decay = lambda a, b: r_s[a] * r_s[b]
+                    for a in T.Parallel(BT):
+                        gr[ic, ihv, 3, a] = r_s[a]
             for a, b in T.Parallel(BT, BT):
                 m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
             if l2norm:  # and 1 / |q| off the diagonal of Q Q^T
-                T.barrier_wait(kv_full[1], 0)
+                T.barrier_wait(kv_full[qb], 0)
                 T.clear(acc_a)
                 T.gemm(q_s, q_s, acc_a, transpose_B=True)
                 for a, b in T.Parallel(BT, BT):
                     if a == b:
-                        gr[ic, ihv, 2, a] = T.rsqrt(acc_a[a, b] + 1e-6)
+                        if normalise:
+                            rq_s[a] = T.rsqrt(acc_a[a, b] + 1e-6)
+                        else:
+                            gr[ic, ihv, 2, a] = T.rsqrt(acc_a[a, b] + 1e-6)
+            if normalise:  # y = x r (k in place, for w's product), stored once per q/k head by TMA
+                # (through registers: in place, TileLang syncs the block at every unrolled step)
+                acc_q = T.alloc_fragment((BT, K), acc)
+                T.sync_threads()
+                T.copy(k_s, acc_w)
+                T.copy(q_s, acc_q)
+                for a, b in T.Parallel(BT, K):
+                    acc_w[a, b] = acc_w[a, b] * r_s[a]
+                    acc_q[a, b] = acc_q[a, b] * rq_s[a]
+                T.copy(acc_w, k_s)
+                T.copy(acc_q, q_s)
+                if ihv % (HV // H) == 0:
+                    T.copy(q_s, yq[t0 : t0 + BT, ih, 0:K])
+                    T.copy(k_s, yk[t0 : t0 + BT, ih, 0:K])
+                    for a in T.Parallel(BT):
+                        rq[t0 + a, ih] = rq_s[a]
+                        rk[t0 + a, ih] = r_s[a]
             if merged:
                 bpart_s = T.alloc_shared((BT // NB, 2, NB), acc)
                 xh_s = T.alloc_shared((BT, BT), "bfloat16")
@@ -393,7 +428,26 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
         return main
 
-    if store_t:
+    if normalise:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            t: T.Tensor((NT, HV, BT, BT), acc),
+            yq: T.Tensor((L, H, K), dtype),
+            yk: T.Tensor((L, H, K), dtype),
+            rq: T.Tensor((L, H), acc),
+            rk: T.Tensor((L, H), acc),
+        ):
+            body(k, v, g, beta, w, u, t, q, None, yq, yk, rq, rk)
+
+    elif store_t:
 
         @T.prim_func
         def main(
@@ -452,7 +506,11 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     0.457 ms at 4,4096,16,128 bf16, H200, 2026-12-03).
     `l2norm` (`use_qk_l2norm_in_kernel`; k is the normalised `y = x r`): one more input, `rk [L, H]`
     (float32 `r = 1 / |x|` of the raw k), and dk is the raw k's gradient `r (dk - y sum(dk y))`
-    (linear in dk, so per value head before the caller sums a group)."""
+    (linear in dk, so per value head before the caller sums a group).
+    G, beta and r are loaded by each thread before dw's product (after it before 2026-12-04), so
+    that their latency runs beside the TMA loads': `wy_bwd_l2` 0.304 against 0.316 ms at
+    4,4096,16,128 bf16 on an H200 (`wy_bwd` 0.286 either way). (The chunk's whole h in one load and
+    dw in one product, `BVH = V`, measured 0.288 against 0.285 ms: not kept.)"""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
@@ -502,6 +560,11 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 if not t_regs:
                     T.tma_copy(t[ic, ihv, 0:BT, 0:BT], t_s, barrier=full[0])
                 arrive_once(full, 0)
+            # G, beta (and r) by each thread: before dw's product, so that their latency runs beside the TMA loads'
+            T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
+            T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
+            if l2norm:
+                T.copy(rk[t0 : t0 + BT, ih], rk_s, disable_tma=True)
             # dw = -du h^T
             T.clear(acc_k)
             for vb in T.serial(V // BVH):
@@ -522,10 +585,6 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
                 T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
                 T.copy(du[t0 : t0 + BT, ihv, 0:V], du_s)
-            T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
-            T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
-            if l2norm:
-                T.copy(rk[t0 : t0 + BT, ih], rk_s, disable_tma=True)
             if tma_loads:
                 T.barrier_wait(full[0], 0)
             if t_regs:  # T through the registers into its halves

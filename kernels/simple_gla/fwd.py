@@ -138,13 +138,21 @@ def _loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows=False):
 
 
 @T.macro
-def _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot):
+def _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot, fv=None, v_r=None):
     """The state warpgroup, its state published: `S <- exp(G_C) S + k^T (v exp(G_C - G))` from
-    stage `slot`, which it then frees."""
+    stage `slot`, which it then frees. With `fv` (`[BT]`) and `v_r` (`[BT, BV]`) fragments
+    (`row_factors`): `exp(G_C - G)` once per row of v (read into `v_r`), not once per element."""
     BT, BV = (int(d) for d in vd_s.shape)
     K = int(b_h.shape[0])
-    for r, c in T.Parallel(BT, BV):
-        vd_s[r, c] = T.cast(T.cast(v_s[slot, r, c], "float32") * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), vd_s.dtype)
+    if fv is not None:
+        for r in T.Parallel(BT):
+            fv[r] = T.exp(g_s[slot, BT - 1] - g_s[slot, r])
+        T.copy(v_s[slot, :, :], v_r)
+        for r, c in T.Parallel(BT, BV):
+            vd_s[r, c] = T.cast(T.cast(v_r[r, c], "float32") * fv[r], vd_s.dtype)
+    else:
+        for r, c in T.Parallel(BT, BV):
+            vd_s[r, c] = T.cast(T.cast(v_s[slot, r, c], "float32") * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), vd_s.dtype)
     for r, c in T.Parallel(K, BV):
         b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
     T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
@@ -213,7 +221,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
 
 
 def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
-                   g_rows: bool = False):
+                   g_rows: bool = False, row_factors: bool = False):
     """`chunk_fwd` with two output warpgroups taking alternate chunks (512 threads): warpgroup 3
     streams the loads into `stages` stages, warpgroup 0 runs the state chain and publishes chunk i's
     state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage `i % stages`
@@ -222,7 +230,8 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
     (2026-12-03, bf16) 0.126 / 0.202 ms against 0.139 / 0.266 at 4,4096,16,128 / 2,8192,16,128,
     storing h 0.148 / 0.221 against 0.180 / 0.255; at 8,2048,16,64 0.073 against 0.075, storing
     h 0.098 against 0.085 (so not dispatched there). `stages`: the loads' pipeline depth (chunk i
-    in stage `i % stages`; three and four built as experiments)."""
+    in stage `i % stages`; three and four built as experiments). `row_factors`: warpgroup 0 forms
+    `exp(G_C - G)` once per row (`_state_update`); the same bits."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
 
@@ -247,6 +256,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
             acc_s0 = T.alloc_fragment((BT, BT), acc)
             acc_o1 = T.alloc_fragment((BT, BV), acc)
             acc_s1 = T.alloc_fragment((BT, BT), acc)
+            rf = (T.alloc_fragment((BT,), acc), T.alloc_fragment((BT, BV), dtype)) if row_factors else (None, None)
             full = T.alloc_barrier([128] * stages)
             free = T.alloc_barrier([256] * stages)  # warpgroup 0 and the stage's output warpgroup
             s_ready0 = T.alloc_barrier([128])
@@ -267,7 +277,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                         publish_state(b_h, h_s0, s_ready0, s_free0, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
                     else:
                         publish_state(b_h, h_s1, s_ready1, s_free1, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
-                    _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot)
+                    _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot, *rf)
                 if store_h:
                     T.tma_store_wait()
                 T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
