@@ -12,7 +12,9 @@ fused consumer that also takes the reverse cumulative sum of dg), with gates per
 reverse state-gradient pass (which also stores the gradient of v_new) as kernels, and the
 backward's chunk-parallel parts by two more kernels
 (switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`; switched off, JAX VJPs do them), and
-under a gradient `use_qk_l2norm_in_kernel` by a normalisation kernel each way.
+`use_qk_l2norm_in_kernel` inside the kernels where `DELTA_L2NORM_FUSED` (the forward's inverse or
+WY kernel normalises q and k, the backward's consumer and WY VJP take its gradient), else by a
+normalisation kernel each way.
 Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
 """
 
@@ -172,11 +174,13 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
 
 
 # ----------------------------------------------------------------------------- use_qk_l2norm_in_kernel
-# Inside the op's custom VJP, on the chunk rows. Without a gradient XLA's fused pass (the faster
-# there: GDN forward 0.610 against 0.652 ms with the kernel, 4,4096,16,128, H200, 2026-12-03); under
-# one a kernel per tensor (`norm`), which also keeps 1 / |x| for the backward (XLA took two passes per
-# tensor there). The backward folds the normalisation's gradient into its consumer and WY VJP
-# (`DELTA_L2NORM_FUSED`), or runs `norm_bwd` per tensor after them.
+# Inside the op's custom VJP, on the chunk rows. Where DELTA_L2NORM_FUSED (at K <= 128) the kernels
+# normalise q and k themselves: without a gradient `inv_l2` and `fused_t_l2`, under one the WY
+# kernel `wy_t_l2` (`_folds_l2norm`, `_folds_l2norm_h`). Elsewhere, without a gradient XLA's fused
+# pass (the faster there: GDN forward 0.610 against 0.652 ms with the kernel, 4,4096,16,128, H200,
+# 2026-12-03); under one a kernel per tensor (`norm`), which also keeps 1 / |x| for the backward (XLA
+# took two passes per tensor there). The backward folds the normalisation's gradient into its
+# consumer and WY VJP (`DELTA_L2NORM_FUSED`), or runs `norm_bwd` per tensor after them.
 
 
 @functools.cache
