@@ -39,12 +39,19 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     # the consumer's dv (and but for GLA dg): whole, or in float32 parts where it splits the key channels
     parts = tb._value_parts(p, D, D)
     split = lambda a: like(a) if parts == 1 else jax.ShapeDtypeStruct((parts, *a.shape), jnp.float32)
+    gates = lambda direction, name: tb._gates_for(p, direction, D, name, G, 64)  # columns, or per-chunk rows (`g_rows`)
+    r = jnp.ones(G.shape, jnp.float32)  # 1 / |x| of rows already normalised
     if op == "simple_gla":
-        h = run("fwd", "fused_h", (like(v), state, final), q, k, v, G, h0, cstart, ccount, scale=s)[1]
+        h = run("fwd", "fused_h", (like(v), state, final), q, k, v, gates("fwd", "fused_h"), h0, cstart, ccount, scale=s)[1]
+        # `enter`: each sequence's second half as a later piece (`tilelang_backend._split_forward`), o updated in place
+        NS, M = B, T // 128
+        first = jnp.arange(B, dtype=jnp.int32) * (T // 64) + M
+        enter = (jnp.zeros((NS, M, H), jnp.float32), jnp.asarray(rng.standard_normal((NS, H, D, D)) * 0.1, dtype))
         calls = {  # program kind: (results, args, attrs)
-            "fused_h": ((like(v), state, final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
-            "fused": ((like(v), final), (q, k, v, G, h0, cstart, ccount), {"scale": s}),
-            "dh": ((state, final), (q, do, G, h0, cstart, ccount), {"scale": s}),
+            "fused_h": ((like(v), state, final), (q, k, v, gates("fwd", "fused_h"), h0, cstart, ccount), {"scale": s}),
+            "fused": ((like(v), final), (q, k, v, gates("fwd", "fused"), h0, cstart, ccount), {"scale": s}),
+            "enter": (like(v), (q, G.reshape(NT, 64, H).transpose(0, 2, 1), *enter, first), {"scale": s, "init": (jnp.zeros_like(v),)}),
+            "dh": ((state, final), (q, do, gates("bwd", "dh"), h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), split(v), split(G)), (q, k, v, G, h, do, h), {"scale": s}),
         }
     elif op == "gla":  # gates per key channel
@@ -63,19 +70,39 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         beta = jnp.asarray(rng.uniform(size=(B * T, H)), jnp.float32)
         k = k / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True).astype(dtype)
         tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
+        col32 = jax.ShapeDtypeStruct(G.shape, jnp.float32)
         w, u, Tm = run("fwd", "wy_t", (like(k), like(v), tm), k, v, G, beta)
-        h = run("fwd", "fused_h", (like(v), like(v), state, final), q, k, w, u, G, h0, cstart, ccount, scale=s)[2]
+        h = run("fwd", "fused_h", (like(v), like(v), state, final), q, k, w, u, gates("fwd", "fused_h"), h0, cstart, ccount, scale=s)[2]
+        # the forward from the gate-free inverse: T0 (input dtype) and, where the programs take them so, the
+        # chunk's G, beta (and 1 / |q|, 1 / |k|) as rows `gr [NT, H, R, 64]`
+        t0 = jax.ShapeDtypeStruct((NT, H, 64, 64), dtype)
+        rows = lambda R: jax.ShapeDtypeStruct((NT, H, R, 64), jnp.float32)
+        outs = lambda name: next(pr for pr in tb._find_variant("delta", "fwd", dtype, D, D).programs if pr.name == name).outputs
+        inv = ((t0, rows(2)), (k, G, beta)) if "gr" in outs("inv") else (t0, (k, beta))
+        t, *gr = run("fwd", "inv", inv[0], *inv[1]) if isinstance(inv[0], tuple) else (run("fwd", "inv", inv[0], *inv[1]),)
+        fused_t = (q, k, v, t, *(gr or (G, beta)), h0, cstart, ccount)
         calls = {
             "wy_t": ((like(k), like(v), tm), (k, v, G, beta), {}),
             "wy": ((like(k), like(v)), (k, v, G, beta), {}),
-            "fused_h": ((like(v), like(v), state, final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
-            "fused": ((like(v), like(v), final), (q, k, w, u, G, h0, cstart, ccount), {"scale": s}),
-            "dh": ((state, final, like(v)), (q, k, w, do, G, h0, cstart, ccount), {"scale": s}),
+            "fused_h": ((like(v), like(v), state, final), (q, k, w, u, gates("fwd", "fused_h"), h0, cstart, ccount), {"scale": s}),
+            "fused": ((like(v), like(v), final), (q, k, w, u, gates("fwd", "fused"), h0, cstart, ccount), {"scale": s}),
+            "inv": (*inv, {}),
+            "fused_t": ((like(v), final), fused_t, {"scale": s}),
+            "dh": ((state, final, like(v)), (q, k, w, do, gates("bwd", "dh"), h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), split(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new (no dv)
-            "norm": ((like(q), jax.ShapeDtypeStruct(G.shape, jnp.float32)), (q,), {}),
+            "norm": ((like(q), col32), (q,), {}),
             "norm_bwd": (like(q), (q, G, do), {}),
-            "wy_bwd": ((like(k), like(v), *(jax.ShapeDtypeStruct(G.shape, jnp.float32) for _ in "gb")), (k, v, G, beta, Tm, h, u, k), {}),
+            "wy_bwd": ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k), {}),
         }
+        if D <= 128:  # use_qk_l2norm_in_kernel folded into the kernels (q and k here are already unit rows or near)
+            t_l2, gr_l2 = run("fwd", "inv_l2", (t0, rows(4)), q, k, G, beta)
+            calls |= {
+                "wy_t_l2": ((like(k), like(v), tm, like(q), like(k), col32, col32), (q, k, v, G, beta), {}),
+                "inv_l2": ((t0, rows(4)), (q, k, G, beta), {}),
+                "fused_t_l2": ((like(v), final), (q, k, v, t_l2, gr_l2, h0, cstart, ccount), {"scale": s}),
+                "dqkvg_l2": ((like(q), like(k), split(G)), (q, k, v, G, h, do, h, r), {"scale": s}),
+            }
+        calls["wy_bwd_l2"] = ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k, r), {})
         f32 = lambda a: a.astype(jnp.float32)
         local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])
         dw, du = (jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (w, u))

@@ -272,3 +272,24 @@ def test_wy_vjp_matches_autodiff(H, HV, monkeypatch):
     got = tilelang_backend._wy_vjp(C, Tm, k, v, G, beta, dw, du)
     errs = {n: err_ratio(a, b) for n, a, b in zip(("dk", "dv", "dG", "dbeta"), want, got)}
     assert all(e <= 1e-5 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gla", "delta"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_bench_kernels_feeds_every_dispatched_program(op, D, emulated):
+    """benchmarks/bench_kernels.py builds inputs for every dispatched program of a variant that the
+    program takes (shapes and dtypes as the emulated kernels check them), and each runs."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_kernels
+
+    names = []
+    for name, fn, args in bench_kernels.programs(2, 256, 2, D, op=op, xla=False):
+        if name.split(":", 1)[1].startswith("x_"):  # experiments: the emulator knows the dispatched kinds only
+            continue
+        jax.block_until_ready(fn(*args))
+        names.append(name.split(":", 1)[1].split("@")[0])  # (GLA's a and dqkvg also at other gate scales, `@label`)
+    want = {prog.name for d in ("fwd", "bwd") for prog in tilelang_backend._find_variant(op, d, "bfloat16", D, D).programs if not prog.of}
+    assert set(names) == want
