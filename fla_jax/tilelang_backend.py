@@ -72,9 +72,10 @@ DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
 # the backward's consumer (dq; `dqkvg_l2`, at K <= 128) and WY VJP (dk; `wy_bwd_l2`) instead of a
 # `norm_bwd` pass per tensor after them (GDN fwd+bwd 1.375 -> 1.320 ms at 4,4096,16,128 bf16, H200,
 # 2026-12-04), and the normalisation itself in the WY kernel (`wy_t_l2`, at K <= 128: y and 1 / |x|
-# written for the passes after it) instead of a `norm` pass per tensor before it; without one, where the forward is the inverse's (DELTA_FWD_INVERSE), the normalisation
-# itself in `inv_l2` and `fused_t_l2` (no normalised copy of q and k) instead of XLA's pass before
-# them. Tests run both settings.
+# written for the passes after it) instead of a `norm` pass per tensor before it; without one,
+# where the forward is the inverse's (DELTA_FWD_INVERSE), the normalisation itself in `inv_l2` and
+# `fused_t_l2` (no normalised copy of q and k) instead of XLA's pass before them. Tests run both
+# settings.
 DELTA_L2NORM_FUSED = True
 
 # Simple GLA's forward with no gradient on dense input: the state pass runs one program per (V
@@ -291,8 +292,10 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
     """`(o, ht)`, or with `store_h` `(o, h, *wy, ht)`: h `[B, NT, HV, K, V]`, the state before each
     chunk, and for the backward wy: for the delta rules the WY preparation's `w, u` (rows like v),
     `T` (`[B, NT, HV, C, C]`) and `v_new` (rows like v), for GLA the intra-chunk matrix A
-    (`[B, NT, H, C, C]`). `arrays`: the token arrays, h0, the varlen tables. `l2norm` (the
-    forward from the inverse, `_folds_l2norm`): q and k raw, normalised by the kernels."""
+    (`[B, NT, H, C, C]`). `arrays`: the token arrays, h0, the varlen tables. `l2norm`: q and k
+    raw, normalised by the kernels (the forward from the inverse, `_folds_l2norm`; under a gradient
+    the WY kernel `wy_t_l2`, `_folds_l2norm_h`, and then the normalised q, k and their `1 / |x|`
+    follow wy among the results)."""
     n = len(_token_layouts(p))
     tokens, h0, tables = arrays[:n], arrays[n], arrays[n + 1 :]
     C = p.chunk_size
