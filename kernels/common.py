@@ -140,15 +140,26 @@ def stage_loads(loads, full, free, nc, stages, c_first, step, singles=(), one_fu
             T.barrier_arrive(one_full[j])
 
 
-def delta_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, ih, ihv, iv):
+def gate_load(g, g_s, head, g_rows):
+    """`stage_loads`' entry for a chunk's G: a TMA box of its per-chunk row `g [NT, H, BT]` with
+    `g_rows`, else its `[L, H]` column by the loading warpgroup's threads (each such load delays
+    the stage's arrival: the delta rules' forward from the inverse 0.166 -> 0.139 ms at
+    4,4096,16,128 with G and beta as rows, H200, 2026-12-04)."""
+    BT = int(g_s.shape[-1])
+    if g_rows:
+        return (lambda c: g[c, head, 0:BT], g_s, True)
+    return (lambda c: g[c * BT : c * BT + BT, head], g_s, False)
+
+
+def delta_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, ih, ihv, iv, g_rows=False):
     """`stage_loads`' list for the delta rules' passes: q, k (head `ih`), w and the V block `iv`
-    of `x` (u, or do) by TMA, then G."""
+    of `x` (u, or do) by TMA, then G (`gate_load`)."""
     BT, BV = (int(d) for d in x_s.shape[1:])
     K = int(q_s.shape[2])
     rows = lambda c: slice(c * BT, c * BT + BT)
     return ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
             (lambda c: w[rows(c), ihv, 0:K], w_s, True), (lambda c: x[rows(c), ihv, iv * BV : (iv + 1) * BV], x_s, True),
-            (lambda c: g[rows(c), ihv], g_s, False))
+            gate_load(g, g_s, ihv, g_rows))
 
 
 @T.macro

@@ -204,10 +204,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
             c1 = cstart[n] + ccount[n] - 1
             nc = ccount[n]
             with T.ws(2):
-                loads = delta_loads(q, k, w, do, g, q_s, k_s, w_s, do_s, g_s, ih, ihv, iv)  # q, k, w, do, G
-                if g_rows:  # G's per-chunk row by TMA
-                    loads = (*loads[:-1], (lambda c: g[c, ihv, 0:BT], g_s, True))
-                stage_loads(loads, full, free, nc, stages, c1, -1)
+                stage_loads(delta_loads(q, k, w, do, g, q_s, k_s, w_s, do_s, g_s, ih, ihv, iv, g_rows), full, free, nc, stages, c1, -1)
             with T.ws(1):
                 T.set_max_nreg(232, 1)
                 for i in T.serial(nc):

@@ -193,9 +193,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             s_free = T.alloc_barrier([128])  # warpgroup 1 has read them
             c0 = cstart[n]
             nc = ccount[n]
-            loads = delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv)  # q, k, w, u, G
-            if g_rows:  # G's per-chunk row by TMA
-                loads = (*loads[:-1], (lambda c: g[c, ihv, 0:BT], g_s, True))
+            loads = delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv, g_rows)  # q, k, w, u, G
             one_full = one_free = q_sync = None
             singles = ()
             if single_qw:  # w's and q's own buffers: landed (w, q), read by warpgroup 0 / 1
@@ -233,14 +231,13 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                     T.tma_copy(vn_s, vnew[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
                     if store_h:
                         T.tma_copy(h_s, h[c0 + i, ihv, 0:K, iv * BV : (iv + 1) * BV])
-                    if row_factors:  # exp(G_C - G) once per row, not per element
+                    decay = lambda r: T.exp(g_s[slot, BT - 1] - g_s[slot, r])  # exp(G_C - G) of row r
+                    if row_factors:  # once per row, not per element
                         for r in T.Parallel(BT):
-                            fv[r] = T.exp(g_s[slot, BT - 1] - g_s[slot, r])
-                        for r, c in T.Parallel(BT, BV):
-                            vd_s[r, c] = T.cast(acc_v[r, c] * fv[r], dtype)
-                    else:
-                        for r, c in T.Parallel(BT, BV):
-                            vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(g_s[slot, BT - 1] - g_s[slot, r]), dtype)
+                            fv[r] = decay(r)
+                        decay = lambda r: fv[r]
+                    for r, c in T.Parallel(BT, BV):
+                        vd_s[r, c] = T.cast(acc_v[r, c] * decay(r), dtype)
                     for r, c in T.Parallel(K, BV):
                         b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
                     T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
@@ -369,6 +366,11 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                 Bt = lambda slot, x: b_s[slot, x]
             kf = (lambda slot, c: gr_s[slot, 3, c]) if l2norm else (lambda slot, c: 1.0)
             pf = (lambda slot, a, c: gr_s[slot, 2, a] * gr_s[slot, 3, c]) if l2norm else (lambda slot, a, c: 1.0)
+            # warpgroup 0's column factors (transposed): exp(G) / |k| and exp(G_C - G) / |k|, per element or,
+            # with col_factors, read from the fragments fe, fd it fills once per chunk
+            grow = lambda slot, c: T.exp(G(slot, c)) * kf(slot, c)
+            decay = lambda slot, c: T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c)
+            col_e, col_d = ((lambda slot, c: fe[c]), (lambda slot, c: fd[c])) if col_factors else (grow, decay)
             h_s0 = T.alloc_shared(st, dtype)
             h_s1 = T.alloc_shared(st, dtype)
             vn_s0 = T.alloc_shared(vt, dtype)
@@ -464,13 +466,10 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 T.gemm(s_lo, k_s[slot, :, :], acc_v, transpose_B=True)
                                 if col_factors:
                                     for c in T.Parallel(BT):
-                                        fe[c] = T.exp(G(slot, c)) * kf(slot, c)
-                                        fd[c] = T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c)
-                                    for r, c in T.Parallel(BV, BT):
-                                        x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * fe[c], dtype)
-                                else:
-                                    for r, c in T.Parallel(BV, BT):
-                                        x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * T.exp(G(slot, c)) * kf(slot, c), dtype)
+                                        fe[c] = grow(slot, c)
+                                        fd[c] = decay(slot, c)
+                                for r, c in T.Parallel(BV, BT):
+                                    x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * col_e(slot, c), dtype)
                             else:  # W = v - exp(G) (k S), through shared memory
                                 T.copy(b_h, h_s)
                                 T.clear(acc_v)
@@ -491,15 +490,9 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 for r, c in T.Parallel(K, BV):
                                     b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                                 T.gemm(kd_s[slot, :, :], vn_s, b_h, transpose_A=True)
-                    if transposed and col_factors:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
+                    if transposed:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
                         for r, c in T.Parallel(BV, BT):
-                            x_t[r, c] = T.cast(acc_v[r, c] * fd[c], dtype)
-                        for r, c in T.Parallel(BV, K):
-                            b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
-                        T.gemm(x_t, k_s[slot, :, :], b_h)
-                    elif transposed:  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
-                        for r, c in T.Parallel(BV, BT):
-                            x_t[r, c] = T.cast(acc_v[r, c] * T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c), dtype)
+                            x_t[r, c] = T.cast(acc_v[r, c] * col_d(slot, c), dtype)
                         for r, c in T.Parallel(BV, K):
                             b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                         T.gemm(x_t, k_s[slot, :, :], b_h)

@@ -23,6 +23,7 @@ import tilelang.language as T
 
 from kernels.common import (
     chunk_output_and_update,
+    gate_load,
     output_chunk,
     publish_state,
     stage_loads,
@@ -126,15 +127,12 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
 
 def _loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows=False):
     """`stage_loads`' list for the warp-specialized passes: q, k, the V block `iv` of v (TMA),
-    then G: a TMA box of its per-chunk rows with `g_rows`, else by the loading warpgroup's threads
-    (each such load delays the stage's arrival: the delta rules' forward from the inverse 0.166 →
-    0.139 ms at 4,4096,16,128 with G and beta as rows, H200, 2026-12-04)."""
+    then G (`kernels.common.gate_load`)."""
     BT, K = (int(d) for d in q_s.shape[1:])
     BV = int(v_s.shape[2])
     rows = lambda c: slice(c * BT, c * BT + BT)
-    gate = (lambda c: g[c, ih, 0:BT], g_s, True) if g_rows else (lambda c: g[rows(c), ih], g_s, False)
     return ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
-            (lambda c: v[rows(c), ih, iv * BV : (iv + 1) * BV], v_s, True), gate)
+            (lambda c: v[rows(c), ih, iv * BV : (iv + 1) * BV], v_s, True), gate_load(g, g_s, ih, g_rows))
 
 
 @T.macro
