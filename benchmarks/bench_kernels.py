@@ -50,7 +50,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         calls = {  # program kind: (results, args, attrs)
             "fused_h": ((like(v), state, final), (q, k, v, gates("fwd", "fused_h"), h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), final), (q, k, v, gates("fwd", "fused"), h0, cstart, ccount), {"scale": s}),
-            "enter": (like(v), (q, G.reshape(NT, 64, H).transpose(0, 2, 1), *enter, first), {"scale": s, "init": (jnp.zeros_like(v),)}),
+            "enter": (like(v), (q, tb._gate_rows(G, 64), *enter, first), {"scale": s, "init": (jnp.zeros_like(v),)}),
             "dh": ((state, final), (q, do, gates("bwd", "dh"), h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), split(v), split(G)), (q, k, v, G, h, do, h), {"scale": s}),
         }

@@ -242,10 +242,15 @@ def _program(p: Problem, direction: str, K: int, name: str):
     return next(prog for prog in variant.programs if prog.name == name and not prog.of)
 
 
+def _gate_rows(G, C: int):
+    """The in-chunk cumulative gates `G [L, H]` as per-chunk rows `[NT, H, C]` (an XLA transpose)."""
+    return G.reshape(-1, C, G.shape[-1]).transpose(0, 2, 1)
+
+
 def _gates_for(p: Problem, direction: str, K: int, name: str, G, C: int):
-    """The in-chunk cumulative gates `G [L, H]` as program `name` takes them: as they are, or where
-    it loads them by TMA (`g_rows`) as per-chunk rows `[NT, H, C]` (an XLA transpose)."""
-    return G.reshape(-1, C, G.shape[-1]).transpose(0, 2, 1) if dict(_program(p, direction, K, name).config).get("g_rows") else G
+    """`G [L, H]` as program `name` takes it: as it is, or where it loads it by TMA (`g_rows`) as
+    per-chunk rows (`_gate_rows`)."""
+    return _gate_rows(G, C) if dict(_program(p, direction, K, name).config).get("g_rows") else G
 
 
 def _value_parts(p: Problem, K: int, V: int) -> int:
@@ -382,7 +387,7 @@ def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, B: int, C:
     h0s = jnp.zeros((B, pieces, *h0.shape[1:]), jnp.float32).at[:, 0].set(h0).reshape(-1, *h0.shape[1:])
     s = np.float32(scale)
     o, ht = _call(targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), _like(h0s)), *ins, h0s, first, jnp.full_like(first, m), scale=s)
-    rows = G if G.ndim == 3 else G.reshape(-1, C, H).transpose(0, 2, 1)  # [NT, H, C]
+    rows = G if G.ndim == 3 else _gate_rows(G, C)  # [NT, H, C]
     chunk = rows[:, :, -1].reshape(B, pieces, m, H)  # a chunk's whole decay
     ht = ht.reshape(B, pieces, H, K, V)
     S, enter = jnp.zeros_like(ht[:, 0]), []  # the state entering each piece (piece 0's is in o already)

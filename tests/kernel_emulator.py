@@ -83,10 +83,14 @@ def _fwd_o(q, k, v, G, h, *, scale):
     return o.reshape(q.shape[0], *o.shape[3:]).astype(q.dtype)
 
 
+def _gate_columns(G):
+    """G as `[L, H]` columns, from per-chunk rows `[NT, H, C]` where a program takes them so (`g_rows`)."""
+    return _rows_to_columns(G) if G.ndim == 3 else G
+
+
 def fwd_fused_h(q, k, v, G, h0, cstart, ccount, *, scale):
     """kernels/simple_gla/fwd.py: o, h, ht; G `[L, H]`, or with `g_rows` per-chunk rows `[NT, H, C]`."""
-    if G.ndim == 3:
-        G = _rows_to_columns(G)
+    G = _gate_columns(G)
     h, ht = _scan_states(k, v, G, h0, cstart, ccount)
     h = _unwritten(h.astype(q.dtype), cstart, ccount, False)
     return _unwritten(_fwd_o(q, k, v, G, h, scale=scale), cstart, ccount, True), h, ht
@@ -252,8 +256,7 @@ def _delta_states(q, k, G, h0, cstart, ccount, *, scale, v_new):
 
 def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
     """kernels/delta/fwd.py `chunk_delta_fwd(store_h=True)`: o, v_new, h, ht."""
-    if G.ndim == 3:  # per-chunk rows (`g_rows`)
-        G = _rows_to_columns(G)
+    G = _gate_columns(G)
     wc, uc = _chunks(w)[0], _chunks(u)[0]
     v_new = lambda n, Sd: (uc[n] - jnp.einsum("chk,hkv->chv", wc[n], Sd)).astype(q.dtype).astype(f32)
     return _delta_states(q, k, G, h0, cstart, ccount, scale=scale, v_new=v_new)
@@ -335,8 +338,7 @@ def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
 def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
     """kernels/delta/bwd.py `chunk_delta_bwd_dh(store_du=True)`: dh (after each chunk), dh0 and
     du, the gradient of v_new (input dtype)."""
-    if G.ndim == 3:  # per-chunk rows (`g_rows`)
-        G = _rows_to_columns(G)
+    G = _gate_columns(G)
     HV = do.shape[1]
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
     qc, kc, wc, doc, Gc = (_chunks(x)[0] for x in (rep(q), rep(k), w, do, G))

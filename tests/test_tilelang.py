@@ -230,6 +230,8 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     cstart, ccount = jnp.asarray([0, 3], jnp.int32), jnp.asarray([3, 5], jnp.int32)
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
     per_chunk = lambda a: jnp.moveaxis(a.reshape(NT, 64, H), 1, 2)  # [L, H] -> rows [NT, H, 64]
+    prob = _problem.Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
+    gates_for = lambda direction: tilelang_backend._gates_for(prob, direction, D, name, G, 64)  # G as program `name` takes it
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
@@ -257,14 +259,10 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
         scale = {"scale": np.float32(D**-0.5)}
         if op == "simple_gla":
-            prog = next(p for p in variants.find(op, "fwd", dtype, D, D).programs if p.name == name)
-            g = per_chunk(G) if dict(prog.config).get("g_rows") else G
-            return (like(v), *h, like(h0)), (q, k, v, g, h0, cstart, ccount), scale
+            return (like(v), *h, like(h0)), (q, k, v, gates_for("fwd"), h0, cstart, ccount), scale
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)  # w, u: T (k beta e^G) and T (v beta) in scale
-        prog = next(p for p in variants.find(op, "fwd", dtype, D, D).programs if p.name == name)
-        g = per_chunk(G) if dict(prog.config).get("g_rows") else G
-        return (like(v), like(v), *h, like(h0)), (q, k, w, v, g, h0, cstart, ccount), scale
+        return (like(v), like(v), *h, like(h0)), (q, k, w, v, gates_for("fwd"), h0, cstart, ccount), scale
     if (op, name) == ("delta", "fused_t"):  # the forward from T0: a unit lower triangular T0 in scale
         q, k, v, h0 = x(L, H, D), unit(x(L, H, D)), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         t = (jnp.tril(jnp.asarray(rng.standard_normal((NT, H, 64, 64)) * 0.1, jnp.float32), -1) + jnp.eye(64)).astype(dtype)
@@ -278,9 +276,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         q, k, do, dht = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)
-        prog = next(p for p in variants.find(op, "bwd", dtype, D, D).programs if p.name == name)
-        g = per_chunk(G) if dict(prog.config).get("g_rows") else G
-        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht), like(do)), (q, k, w, do, g, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
+        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht), like(do)), (q, k, w, do, gates_for("bwd"), dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy", "wy_t"):
         k = unit(x(L, H, D))
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
