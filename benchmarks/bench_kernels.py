@@ -77,10 +77,13 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         # chunk's G, beta (and 1 / |q|, 1 / |k|) as rows `gr [NT, H, R, 64]`
         t0 = jax.ShapeDtypeStruct((NT, H, 64, 64), dtype)
         rows = lambda R: jax.ShapeDtypeStruct((NT, H, R, 64), jnp.float32)
-        outs = lambda name: next(pr for pr in tb._find_variant("delta", "fwd", dtype, D, D).programs if pr.name == name).outputs
-        inv = ((t0, rows(2)), (k, G, beta)) if "gr" in outs("inv") else (t0, (k, beta))
-        t, *gr = run("fwd", "inv", inv[0], *inv[1]) if isinstance(inv[0], tuple) else (run("fwd", "inv", inv[0], *inv[1]),)
-        fused_t = (q, k, v, t, *(gr or (G, beta)), h0, cstart, ccount)
+        if "gr" in tb._program(p, "fwd", D, "inv").outputs:
+            inv = ((t0, rows(2)), (k, G, beta))
+            t, gr = run("fwd", "inv", inv[0], *inv[1])
+            fused_t = (q, k, v, t, gr, h0, cstart, ccount)
+        else:
+            inv = (t0, (k, beta))
+            fused_t = (q, k, v, run("fwd", "inv", t0, k, beta), G, beta, h0, cstart, ccount)
         calls = {
             "wy_t": ((like(k), like(v), tm), (k, v, G, beta), {}),
             "wy": ((like(k), like(v)), (k, v, G, beta), {}),
