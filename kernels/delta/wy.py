@@ -288,10 +288,9 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                     if a == b:
                         r_s[a] = T.rsqrt(acc_a[a, b] + 1e-6)
                 T.sync_threads()
-                if normalise:
-                    decay = lambda a, b: T.exp(g_s[a] - g_s[b]) * r_s[a] * r_s[b]
-                else:
-                    decay = lambda a, b: r_s[a] * r_s[b]
+                gates = decay
+                decay = lambda a, b: gates(a, b) * r_s[a] * r_s[b]
+                if gate_rows:
                     for a in T.Parallel(BT):
                         gr[ic, ihv, 3, a] = r_s[a]
             for a, b in T.Parallel(BT, BT):
