@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Nineteenth session (2026-12-04): the delta rules' training forward
-# normalising q and k in the WY kernel (`wy_t_l2`, timed beside `wy_t` and `norm`), the WY VJP
-# loading G, beta and r before dw's product, and G as per-chunk rows loaded by TMA in the
-# training passes (`fused_h`, `dh`; timed beside the previous build's, copied in as old_*: OLD=dir).
+# session for what is owed). Twentieth session (2026-12-04): the delta rules' forward from T0 in
+# V blocks of 32 where few sequences and heads leave SMs idle (`fused_t_v32`, `fused_t_l2_v32`,
+# timed beside `fused_t` / `fused_t_l2`); OLD=dir copies in a previous build's cubins as old_*.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -17,7 +16,7 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(fla_delta_fwd_bf16_k128_v128_c64_fused_h fla_delta_bwd_bf16_k128_v128_c64_dh)
+progs=(${d}_k128_v128_c64_fused_t_l2 ${d}_k128_v128_c64_fused_t_l2_v32 ${d}_k128_v128_c64_fused_t ${d}_k128_v128_c64_fused_t_v32)
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen

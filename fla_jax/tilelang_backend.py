@@ -68,6 +68,14 @@ DELTA_WY_BWD_KERNEL = True
 # both paths at every K (all of `HEAD_DIMS`, and none).
 DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
 
+# The forward from the inverse where few sequences and heads leave SMs idle: where its state pass's
+# programs (one per V block of 64, sequence and value head) number at most half this (the H200's
+# SMs), V blocks of 32 (`fused_t_v32`, `fused_t_l2_v32`: twice the programs, warpgroup 0 carrying S
+# rather than S^T). With use_qk_l2norm_in_kernel 0.238 against 0.263 ms at 2,8192,16,128 bf16 (32
+# sequence-heads), GDN op forward 0.365 against 0.386 / 0.391 ms (jla 0.357; H200, 2026-12-04). 0
+# switches it off. Tests run both.
+DELTA_NARROW_PROGRAMS = 132
+
 # use_qk_l2norm_in_kernel folded into the kernels: under a gradient the normalisation's gradient in
 # the backward's consumer (dq; `dqkvg_l2`, at K <= 128) and WY VJP (dk; `wy_bwd_l2`) instead of a
 # `norm_bwd` pass per tensor after them (GDN fwd+bwd 1.375 -> 1.320 ms at 4,4096,16,128 bf16, H200,
@@ -323,7 +331,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
             gates = (gr,)
         else:
             t0, gates = _call(targets["inv"], t0, kf, flat[4]), (Gf, flat[4])
-        o, ht = _call(targets["fused_t_l2" if l2norm else "fused_t"], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, *gates,
+        o, ht = _call(targets[_state_pass_t(targets, l2norm, h0.shape[0], HV, V)], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, *gates,
                       h0, cstart, ccount, scale=np.float32(scale))
         return o.reshape(B, Lr, HV, V), ht
     assert not l2norm or store_h, "the forward with no gradient normalises q and k itself only from the inverse"
@@ -360,6 +368,14 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
     if p.delta and wy:  # and v_new, for the backward's consumer kernel
         wy = (*wy, out[1].reshape(B, Lr, HV, V))
     return (out[0].reshape(B, Lr, HV, V), *h, *wy, *norms, out[-1])
+
+
+def _state_pass_t(targets: dict, l2norm: bool, N: int, HV: int, V: int) -> str:
+    """The forward from the inverse: its state pass's program for N sequences, HV value heads
+    (DELTA_NARROW_PROGRAMS)."""
+    name = "fused_t_l2" if l2norm else "fused_t"
+    narrow = f"{name}_v32"
+    return narrow if narrow in targets and 2 * N * HV * -(-V // 64) <= DELTA_NARROW_PROGRAMS else name
 
 
 def _pieces(B: int, H: int, V: int, nt: int) -> int:
@@ -481,7 +497,7 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
     `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients;
     the forward (`fwd`, where `_folds_l2norm`) takes the raw q and k and normalises them itself."""
     switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())),
-                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS)
+                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS)
     return _partitioned_with(p, scale, direction, varlen, l2norm, switches, VJP_PRECISION)
 
 

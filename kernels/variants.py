@@ -134,6 +134,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("transposed", True), ("gate_rows", True), ("col_factors", True)), dims=(64, 128)),
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), dims=(256,)),
+        # where V blocks of 64 leave half the SMs idle (few sequences and heads: `tilelang_backend._state_pass_t`),
+        # V blocks of 32, twice the programs, warpgroup 0 carrying S (S^T [32, K] would be no tensor-core
+        # GEMM's left operand: M >= 64): 0.231 against 0.256 ms at 2,8192,16,128 (0.232 against 0.135 at
+        # 4,4096,16,128, where the programs fill the SMs; bf16, H200, 2026-12-04); with l2norm below
+        Program(name="fused_t_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
+                config=(("prep", True), ("gate_rows", True), ("BV", 32)), dims=(64, 128)),
         # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
         # (and 1 / |q| off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them
         Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
@@ -141,6 +147,9 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("transposed", True), ("gate_rows", True), ("l2norm", True), ("col_factors", True)),
                 dims=(64, 128)),
+        # (0.238 against 0.263 at 2,8192,16,128; at K = 64 0.207 against 0.219 at 2,8192,16,64)
+        Program(name="fused_t_l2_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
+                config=(("prep", True), ("gate_rows", True), ("l2norm", True), ("BV", 32)), dims=(64, 128)),
     ),
     ("delta", "bwd"): (
         # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit). Each also

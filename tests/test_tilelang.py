@@ -202,17 +202,21 @@ def test_tilelang_delta_l2norm_gradient_passes(case, monkeypatch):
 def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
     """Both forwards with no gradient, DELTA_FWD_INVERSE (the default: the gate-free inverse `inv`,
     then `fused_t`; with l2 normalisation at K <= 128 `inv_l2` and `fused_t_l2`, which normalise q
-    and k themselves, and also the two after XLA's normalisation) and without it (the WY kernel,
-    then the state pass on w and u), against float64 under NaN-poisoned outputs with fla's ratio
-    (o and ht 0.006)."""
+    and k themselves, and also the two after XLA's normalisation; the state pass with V blocks of
+    32 for these few sequences and heads, DELTA_NARROW_PROGRAMS, and of 64) and without it (the WY
+    kernel, then the state pass on w and u), against float64 under NaN-poisoned outputs with fla's
+    ratio (o and ht 0.006)."""
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 17)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     errs = {}
     # (with l2 normalisation also the inverse's path with XLA's normalisation before it, not the kernels')
-    for inverse, folded, tag in ((True, True, ""), (False, True, "_wy"), (True, False, "_xla_norm"))[: 3 if case.l2norm else 2]:
+    paths = [(True, True, 132, "_v32"), (True, True, 0, ""), (False, True, 0, "_wy"), (True, False, 132, "_xla_norm_v32"),
+             (True, False, 0, "_xla_norm")]
+    for inverse, folded, narrow, tag in paths if case.l2norm else paths[:3]:
         monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", variants.HEAD_DIMS if inverse else ())
         monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", folded)
+        monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", narrow)
         o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
         errs |= {f"o{tag}": err_ratio(ref_o, o), f"ht{tag}": err_ratio(ref_ht, ht)}
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
@@ -694,8 +698,11 @@ def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     names = [f"fla_delta_fwd_bf16_k{K}_v{K}_c64_{n}" for n in ("inv", "fused_t", "wy", "fused", "wy_t", "fused_h")]
     built = [vr.target(prog) for d in ("fwd", "bwd") for vr in [variants.find("delta", d, "bfloat16", K, K)] for prog in vr.programs]
-    for inverse, want in ((True, names[:2]), (False, names[2:4])):
+    # (one sequence, four value heads: with DELTA_NARROW_PROGRAMS the state pass in V blocks of 32 where built)
+    narrow = [names[0], names[1] + "_v32" if K <= 128 else names[1]]
+    for inverse, wide, want in ((True, True, names[:2]), (True, False, narrow), (False, True, names[2:4])):
         monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", variants.HEAD_DIMS if inverse else ())
+        monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", 0 if wide else 132)
         fwd, both = _gdn_custom_calls(K, built, l2norm=False)
         assert fwd == want
         assert [c for c in both if c.startswith("fla_delta_fwd")] == names[4:]
@@ -713,6 +720,7 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeyp
     monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
     monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
     monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", norm_fused)
+    monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", 0)  # (V blocks of 64 in the forward from the inverse)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     # under a gradient q and k are normalised by the WY kernel (`wy_t_l2`, where DELTA_L2NORM_FUSED
     # and K <= 128) or by a kernel each before it (XLA's pass without a gradient); their gradients

@@ -150,8 +150,9 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
 def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypatch):
     """DELTA_FWD_INVERSE: the forward with no gradient takes the gate-free inverse (`inv`) and the
     state pass that forms v_new from it (`fused_t`; with l2 normalisation at K <= 128 `inv_l2` and
-    `fused_t_l2` from the raw q and k), emulated, against the float64 recurrence; switched off,
-    the WY kernel and the state pass on w and u."""
+    `fused_t_l2` from the raw q and k; with V blocks of 32 for these few sequences and heads,
+    DELTA_NARROW_PROGRAMS, and of 64 without), emulated, against the float64 recurrence; switched
+    off, the WY kernel and the state pass on w and u."""
     calls = []
 
     def record(target, *args, **attrs):
@@ -165,18 +166,23 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
     # with use_qk_l2norm_in_kernel at K <= 128 the inverse and its state pass normalise q and k
     # themselves (DELTA_L2NORM_FUSED), else XLA does before them
     l2 = case.l2norm and case.K <= 128
-    for on, folded, programs in ((True, True, ["inv_l2", "fused_t_l2"] if l2 else ["inv", "fused_t"]), (True, False, ["inv", "fused_t"]),
-                                 (False, True, ["wy", "fused"])):
+    narrow = "_v32" if case.K <= 128 else ""  # (the narrow state pass is built where the inverse's path is taken)
+    paths = [(True, True, wide, ["inv_l2", "fused_t_l2"] if l2 else ["inv", "fused_t"]) for wide in (True, False)]
+    paths += [(True, False, wide, ["inv", "fused_t"]) for wide in (True, False)] + [(False, True, True, ["wy", "fused"])]
+    for on, folded, wide, programs in paths:
         if not case.l2norm and not folded:
             continue
         monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", HEAD_DIMS if on else ())
         monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", folded)
+        monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", 0 if wide else 132)
+        if on and not wide:
+            programs = [programs[0], programs[1] + narrow]
         calls.clear()
         o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
         assert calls == programs
         errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
-        print(case, on, {n: f"{e:.1e}" for n, e in errs.items()})
-        assert all(e <= tol for e in errs.values()), (on, errs)
+        print(case, on, wide, {n: f"{e:.1e}" for n, e in errs.items()})
+        assert all(e <= tol for e in errs.values()), (on, wide, errs)
 
 
 @pytest.mark.parametrize("op,norm_fused", [("simple_gla", True), ("gla", True), ("gated_delta_rule", True), ("gated_delta_rule", False)])

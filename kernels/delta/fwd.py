@@ -312,13 +312,17 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     instead of `[L, HV]` columns that the loading warpgroup's threads load (each such load delays
     the stage's arrival); the third warpgroup writes the output warpgroup's `exp(G)` exponent.
 
-    `l2norm` (with `transposed` and `gate_rows`; `use_qk_l2norm_in_kernel`): q and k arrive raw,
-    `gr` has two more rows, `1 / |q|` and `1 / |k|` (R = 4; two more `[L, HV]` columns loaded by the
-    loading warpgroup's threads made the pass 0.232 ms against 0.159 without l2norm at
-    4,4096,16,128); the normalisation becomes row factors of what the pass forms anyway:
-    `U^T`'s columns and the decayed `v_new^T`'s times rk, P's rows and columns times rq and rk,
-    and the output's `exp(G)` row factor times rq (the third warpgroup writes `G + log rq` for the
-    output warpgroup with P).
+    `l2norm` (with `gate_rows`; `use_qk_l2norm_in_kernel`): q and k arrive raw, `gr` has two more
+    rows, `1 / |q|` and `1 / |k|` (R = 4; two more `[L, HV]` columns loaded by the loading
+    warpgroup's threads made the pass 0.232 ms against 0.159 without l2norm at 4,4096,16,128); the
+    normalisation becomes row factors of what the pass forms anyway: `U^T`'s columns and the
+    decayed `v_new^T`'s times rk (with S, not transposed: the rows of `k S` and of the decayed
+    v_new), P's rows and columns times rq and rk, and the output's `exp(G)` row factor times rq
+    (the third warpgroup writes `G + log rq` for the output warpgroup with P). (Tried on 2026-12-04: `1 / |q|` read off `Q Q^T`'s diagonal in this
+    pass, where q is on chip anyway, so that the inverse loads no q (0.084 against 0.095 ms at
+    4,4096,16,128): by the third warpgroup before P, 0.152 / 0.288 against 0.143 / 0.264 at
+    4,4096,16,128 / 2,8192,16,128; by the output warpgroup while P formed, o's rows scaled by it
+    last, 0.169 / 0.322 against 0.139 / 0.262. Both slower than the inverse's loads saved.)
 
     `col_factors` (with `transposed`): warpgroup 0 forms `exp(G) / |k|` and `exp(G_C - G) / |k|`
     once per column of its `[BV, BT]` fragments (16 of each per thread) rather than once per
@@ -333,8 +337,8 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
         raise ValueError("chunk_delta_fwd_t(decay_k=True) needs prep=True")
     if transposed and (decay_k or not prep):
         raise ValueError("chunk_delta_fwd_t(transposed=True) needs prep=True and not decay_k")
-    if l2norm and not (transposed and gate_rows):
-        raise ValueError("chunk_delta_fwd_t(l2norm=True) is written for transposed=True, gate_rows=True")
+    if l2norm and not gate_rows:
+        raise ValueError("chunk_delta_fwd_t(l2norm=True) is written for gate_rows=True")
     if gate_rows and not prep:
         raise ValueError("chunk_delta_fwd_t(gate_rows=True) needs prep=True")
     R = 4 if l2norm else 2  # gate_rows: G, beta (, 1 / |q|, 1 / |k|)
@@ -366,8 +370,8 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                 Bt = lambda slot, x: b_s[slot, x]
             kf = (lambda slot, c: gr_s[slot, 3, c]) if l2norm else (lambda slot, c: 1.0)
             pf = (lambda slot, a, c: gr_s[slot, 2, a] * gr_s[slot, 3, c]) if l2norm else (lambda slot, a, c: 1.0)
-            # warpgroup 0's column factors (transposed): exp(G) / |k| and exp(G_C - G) / |k|, per element or,
-            # with col_factors, read from the fragments fe, fd it fills once per chunk
+            # warpgroup 0's column factors (transposed; row factors with S): exp(G) / |k| and exp(G_C - G) / |k|,
+            # per element or, with col_factors, read from the fragments fe, fd it fills once per chunk
             grow = lambda slot, c: T.exp(G(slot, c)) * kf(slot, c)
             decay = lambda slot, c: T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c)
             col_e, col_d = ((lambda slot, c: fe[c]), (lambda slot, c: fd[c])) if col_factors else (grow, decay)
@@ -475,7 +479,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 T.clear(acc_v)
                                 T.gemm(k_s[slot, :, :], h_s, acc_v)
                                 for r, c in T.Parallel(BT, BV):
-                                    acc_v[r, c] = T.cast(v_s[slot, r, c], acc) - acc_v[r, c] * T.exp(G(slot, r))
+                                    acc_v[r, c] = T.cast(v_s[slot, r, c], acc) - acc_v[r, c] * grow(slot, r)
                                 T.copy(acc_v, w_s)
                             T.barrier_wait(ag_ready[slot], (i // stages) % 2)
                             T.clear(acc_v)
@@ -498,7 +502,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         T.gemm(x_t, k_s[slot, :, :], b_h)
                     elif not decay_k:
                         for r, c in T.Parallel(BT, BV):
-                            vd_s[r, c] = T.cast(acc_v[r, c] * T.exp(G(slot, BT - 1) - G(slot, r)), dtype)
+                            vd_s[r, c] = T.cast(acc_v[r, c] * decay(slot, r), dtype)
                         for r, c in T.Parallel(K, BV):
                             b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                         T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
