@@ -689,6 +689,20 @@ def _gdn_custom_calls(K: int, allowed, *, l2norm: bool):
     return _cuda_custom_calls(f, (x, x, v, gb, gb), allowed)
 
 
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_delta_narrow_state_pass_where_programs_leave_sms_idle(l2norm):
+    """DELTA_NARROW_PROGRAMS at the benchmark shapes: V blocks of 32 at 2,8192,16,128 (2 x 16 x 2
+    programs of 64 would leave half the SMs idle) and at 4,4096,16,64 (64), of 64 where the
+    programs fill the SMs (4,4096,16,128: 128; 8,2048,16,64: 128), and at K = 256, where no
+    narrow pass is built."""
+    p = _problem.Problem(op="gated_delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
+    wide = "fused_t_l2" if l2norm else "fused_t"
+    for (N, HV, D), want in (((2, 16, 128), wide + "_v32"), ((4, 16, 64), wide + "_v32"), ((4, 16, 128), wide), ((8, 16, 64), wide),
+                             ((1, 1, 256), wide), ((66, 1, 64), wide + "_v32"), ((67, 1, 64), wide)):
+        targets = tilelang_backend._targets(p, "fwd", D, D)
+        assert tilelang_backend._state_pass_t(targets, l2norm, N, HV, D) == want, (N, HV, D)
+
+
 @pytest.mark.parametrize("K", [64, 128, 256])
 def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
     """With DELTA_FWD_INVERSE (by default at K <= 128) the forward with no gradient lowers for CUDA to the
