@@ -91,7 +91,6 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             "fused": ((like(v), like(v), final), (q, k, w, u, gates("fwd", "fused"), h0, cstart, ccount), {"scale": s}),
             "inv": (*inv, {}),
             "fused_t": ((like(v), final), fused_t, {"scale": s}),
-            "fused_t_v32": ((like(v), final), fused_t, {"scale": s}),
             "dh": ((state, final, like(v)), (q, k, w, do, gates("bwd", "dh"), h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), split(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new (no dv)
             "norm": ((like(q), col32), (q,), {}),
@@ -104,10 +103,11 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
                 "wy_t_l2": ((like(k), like(v), tm, like(q), like(k), col32, col32), (q, k, v, G, beta), {}),
                 "inv_l2": ((t0, rows(4)), (q, k, G, beta), {}),
                 "fused_t_l2": ((like(v), final), (q, k, v, t_l2, gr_l2, h0, cstart, ccount), {"scale": s}),
-                "fused_t_l2_v32": ((like(v), final), (q, k, v, t_l2, gr_l2, h0, cstart, ccount), {"scale": s}),
                 "dqkvg_l2": ((like(q), like(k), split(G)), (q, k, v, G, h, do, h, r), {"scale": s}),
             }
         calls["wy_bwd_l2"] = ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k, r), {})
+        # the state passes from the inverse in V blocks of 32 take their V-64 twins' inputs
+        calls |= {f"{n}_v32": calls[n] for n in ("fused_t", "fused_t_l2") if n in calls}
         f32 = lambda a: a.astype(jnp.float32)
         local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])
         dw, du = (jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (w, u))

@@ -375,13 +375,18 @@ def _state_pass_t(targets: dict, l2norm: bool, N: int, HV: int, V: int) -> str:
     (DELTA_NARROW_PROGRAMS)."""
     name = "fused_t_l2" if l2norm else "fused_t"
     narrow = f"{name}_v32"
-    return narrow if narrow in targets and 2 * N * HV * -(-V // 64) <= DELTA_NARROW_PROGRAMS else name
+    return narrow if narrow in targets and 2 * _state_programs(N, HV, V) <= DELTA_NARROW_PROGRAMS else name
+
+
+def _state_programs(N: int, H: int, V: int) -> int:
+    """The forward state pass's programs: one per V block of 64, sequence and (value) head."""
+    return N * H * max(1, V // 64)
 
 
 def _pieces(B: int, H: int, V: int, nt: int) -> int:
     """In how many pieces the forward's state pass walks each of B sequences of nt chunks
     (`SPLIT_PROGRAMS`): a power of two dividing nt."""
-    programs, pieces = B * H * max(1, V // 64), 1
+    programs, pieces = _state_programs(B, H, V), 1
     while programs * pieces * 2 <= SPLIT_PROGRAMS and nt % (pieces * 2) == 0 and nt // (pieces * 2) >= SPLIT_MIN_CHUNKS:
         pieces *= 2
     return pieces

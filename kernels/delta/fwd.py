@@ -318,11 +318,12 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     normalisation becomes row factors of what the pass forms anyway: `U^T`'s columns and the
     decayed `v_new^T`'s times rk (with S, not transposed: the rows of `k S` and of the decayed
     v_new), P's rows and columns times rq and rk, and the output's `exp(G)` row factor times rq
-    (the third warpgroup writes `G + log rq` for the output warpgroup with P). (Tried on 2026-12-04: `1 / |q|` read off `Q Q^T`'s diagonal in this
-    pass, where q is on chip anyway, so that the inverse loads no q (0.084 against 0.095 ms at
-    4,4096,16,128): by the third warpgroup before P, 0.152 / 0.288 against 0.143 / 0.264 at
-    4,4096,16,128 / 2,8192,16,128; by the output warpgroup while P formed, o's rows scaled by it
-    last, 0.169 / 0.322 against 0.139 / 0.262. Both slower than the inverse's loads saved.)
+    (the third warpgroup writes `G + log rq` for the output warpgroup with P). (Tried on
+    2026-12-04: `1 / |q|` read off `Q Q^T`'s diagonal in this pass, where q is on chip anyway, so
+    that the inverse loads no q (0.084 against 0.095 ms at 4,4096,16,128): by the third warpgroup
+    before P, 0.152 / 0.288 against 0.143 / 0.264 at 4,4096,16,128 / 2,8192,16,128; by the output
+    warpgroup while P formed, o's rows scaled by it last, 0.169 / 0.322 against 0.139 / 0.262.
+    Both slower than the inverse's loads saved.)
 
     `col_factors` (with `transposed`): warpgroup 0 forms `exp(G) / |k|` and `exp(G_C - G) / |k|`
     once per column of its `[BV, BT]` fragments (16 of each per thread) rather than once per
