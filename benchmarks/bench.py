@@ -181,6 +181,8 @@ def main(argv=None):
                     help="tilelang delta rules: the backward's parallel parts as XLA VJPs (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL off)")
     ap.add_argument("--delta-fwd-wy", action="store_true",
                     help="tilelang delta rules: the forward with no gradient through the WY kernel's w and u (DELTA_FWD_INVERSE off)")
+    ap.add_argument("--delta-fwd-inverse", default=None, metavar="K,K",
+                    help="tilelang delta rules: the head dims whose forward with no gradient is the inverse's (DELTA_FWD_INVERSE)")
     ap.add_argument("--experiments", default="",
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
@@ -193,6 +195,8 @@ def main(argv=None):
         tilelang_backend.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
     if args.delta_xla_vjps:
         tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = False
+    if args.delta_fwd_inverse is not None:
+        tilelang_backend.DELTA_FWD_INVERSE = tuple(int(d) for d in filter(None, args.delta_fwd_inverse.split(",")))
     if args.delta_fwd_wy:
         tilelang_backend.DELTA_FWD_INVERSE = ()
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]

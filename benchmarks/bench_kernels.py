@@ -77,32 +77,27 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         # chunk's G, beta (and 1 / |q|, 1 / |k|) as rows `gr [NT, H, R, 64]`
         t0 = jax.ShapeDtypeStruct((NT, H, 64, 64), dtype)
         rows = lambda R: jax.ShapeDtypeStruct((NT, H, R, 64), jnp.float32)
-        if "gr" in tb._program(p, "fwd", D, "inv").outputs:
-            inv = ((t0, rows(2)), (k, G, beta))
-            t, gr = run("fwd", "inv", inv[0], *inv[1])
-            fused_t = (q, k, v, t, gr, h0, cstart, ccount)
-        else:
-            inv = (t0, (k, beta))
-            fused_t = (q, k, v, run("fwd", "inv", t0, k, beta), G, beta, h0, cstart, ccount)
+        t, gr = run("fwd", "inv", (t0, rows(2)), k, G, beta)
+        t_l2, gr_l2 = run("fwd", "inv_l2", (t0, rows(4)), q, k, G, beta)
         calls = {
             "wy_t": ((like(k), like(v), tm), (k, v, G, beta), {}),
             "wy": ((like(k), like(v)), (k, v, G, beta), {}),
             "fused_h": ((like(v), like(v), state, final), (q, k, w, u, gates("fwd", "fused_h"), h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), like(v), final), (q, k, w, u, gates("fwd", "fused"), h0, cstart, ccount), {"scale": s}),
-            "inv": (*inv, {}),
-            "fused_t": ((like(v), final), fused_t, {"scale": s}),
+            "inv": ((t0, rows(2)), (k, G, beta), {}),
+            "fused_t": ((like(v), final), (q, k, v, t, gr, h0, cstart, ccount), {"scale": s}),
+            # use_qk_l2norm_in_kernel folded into the kernels (q and k here are already unit rows or near)
+            "inv_l2": ((t0, rows(4)), (q, k, G, beta), {}),
+            "fused_t_l2": ((like(v), final), (q, k, v, t_l2, gr_l2, h0, cstart, ccount), {"scale": s}),
             "dh": ((state, final, like(v)), (q, k, w, do, gates("bwd", "dh"), h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), split(G)), (q, k, v, G, h, do, h), {"scale": s}),  # v standing in for v_new (no dv)
             "norm": ((like(q), col32), (q,), {}),
             "norm_bwd": (like(q), (q, G, do), {}),
             "wy_bwd": ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k), {}),
         }
-        if D <= 128:  # use_qk_l2norm_in_kernel folded into the kernels (q and k here are already unit rows or near)
-            t_l2, gr_l2 = run("fwd", "inv_l2", (t0, rows(4)), q, k, G, beta)
+        if D <= 128:  # (and the training forward's WY kernel and the consumer, where built)
             calls |= {
                 "wy_t_l2": ((like(k), like(v), tm, like(q), like(k), col32, col32), (q, k, v, G, beta), {}),
-                "inv_l2": ((t0, rows(4)), (q, k, G, beta), {}),
-                "fused_t_l2": ((like(v), final), (q, k, v, t_l2, gr_l2, h0, cstart, ccount), {"scale": s}),
                 "dqkvg_l2": ((like(q), like(k), split(G)), (q, k, v, G, h, do, h, r), {"scale": s}),
             }
         calls["wy_bwd_l2"] = ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k, r), {})

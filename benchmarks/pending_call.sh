@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Twentieth session (2026-12-04): the delta rules' forward from T0 in
-# V blocks of 32 where few sequences and heads leave SMs idle (`fused_t_v32`, `fused_t_l2_v32`,
-# timed beside `fused_t` / `fused_t_l2`); OLD=dir copies in a previous build's cubins as old_*.
+# session for what is owed). Twenty-first session (2026-12-04, no GPU lent): K = 256's forward from
+# T0, `chunk_delta_fwd_t_wide` (`fused_t`, `fused_t_l2` at K = 256, with `inv` / `inv_l2` writing
+# `gr` there too), run by the GPU tests' K = 256 cases under DELTA_FWD_INVERSE = all, timed beside
+# `wy` + `fused` (+ `norm`: XLA's pass stands where the forward from w and u normalises); BENCH=1
+# times GDN with K = 256 in DELTA_FWD_INVERSE and without. OLD=dir copies in a previous build's
+# cubins as old_*.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -16,7 +19,8 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(${d}_k128_v128_c64_fused_t_l2 ${d}_k128_v128_c64_fused_t_l2_v32 ${d}_k128_v128_c64_fused_t ${d}_k128_v128_c64_fused_t_v32)
+progs=(${d}_k256_v256_c64_inv_l2 ${d}_k256_v256_c64_fused_t_l2 ${d}_k256_v256_c64_inv ${d}_k256_v256_c64_fused_t ${d}_k256_v256_c64_wy
+       ${d}_k256_v256_c64_fused ${d}_k256_v256_c64_norm)
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
@@ -31,7 +35,7 @@ timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_
   -k "${SEL:-delta_matches_float64 or l2norm or forward_from_the_inverse}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
-for s in ${SHAPES:-4x4096x16x128 2x8192x16x128}; do
+for s in ${SHAPES:-4x4096x8x256 2x8192x8x256}; do
   timeout 100 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --inner 10 --rounds 5 --reps 6 "${progs[@]}" 2>&1 | grep -v "^#"
 done | tee "$O/times.txt"
 echo "t=${SECONDS}"
@@ -48,8 +52,13 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute of the named programs at 4,4096,16,
   echo "t=${SECONDS}"
 fi
 if [ -n "${BENCH:-}" ]; then
-  timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes issue --impls fla_jax:tilelang,jla:mosaic_gpu \
+  timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang,jla:mosaic_gpu \
     --json "$O/bench.json" 2>&1 | grep -E "^\|" > "$O/bench.txt"
   cat "$O/bench.txt"
+  if [ -n "${INV:-}" ]; then  # the same ops with DELTA_FWD_INVERSE = $INV (e.g. 64,128,256)
+    timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang \
+      --delta-fwd-inverse "$INV" --json "$O/bench_inv.json" 2>&1 | grep -E "^\|" > "$O/bench_inv.txt"
+    cat "$O/bench_inv.txt"
+  fi
 fi
 echo "done in ${SECONDS}s"

@@ -64,8 +64,11 @@ DELTA_WY_BWD_KERNEL = True
 # inv + fused_t 0.078 + 0.159 at the first (ten launches a sample). The head dims it is taken at: at
 # K = 256, where `fused_t` keeps one load stage, the WY path is the faster since its state pass keeps
 # two (one buffer each of q and w): wy + fused 0.119 + 0.215 against inv + fused_t 0.052 + 0.359 ms
-# at 4,4096,8,256, 0.116 + 0.398 against 0.051 + 0.658 at 2,8192,8,256 (H200, 2026-12-04). Tests run
-# both paths at every K (all of `HEAD_DIMS`, and none).
+# at 4,4096,8,256, 0.116 + 0.398 against 0.051 + 0.658 at 2,8192,8,256 (H200, 2026-12-04). K = 256's
+# `fused_t` has since been rebuilt as `chunk_delta_fwd_t_wide` (two load stages, single published
+# tiles: jla's `fused_fwd_kb`), with `inv` / `inv_l2` writing `gr` there too; built, not yet run on a
+# GPU (2026-12-04), so 256 stays out until it is measured. Tests run both paths at every K (all of
+# `HEAD_DIMS`, and none).
 DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
 
 # The forward from the inverse where few sequences and heads leave SMs idle: where its state pass's
@@ -325,13 +328,9 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
         rows = lambda R: jax.ShapeDtypeStruct((NT, HV, R, C), jnp.float32)
         if l2norm:  # G, beta, 1 / |q|, 1 / |k| per chunk and value head, rows that the state pass loads
             t0, gr = _call(targets["inv_l2"], (t0, rows(4)), qf, kf, Gf, flat[4])
-            gates = (gr,)
-        elif "gr" in _program(p, "fwd", K, "inv").outputs:  # G and beta as rows
+        else:  # G and beta
             t0, gr = _call(targets["inv"], (t0, rows(2)), kf, Gf, flat[4])
-            gates = (gr,)
-        else:
-            t0, gates = _call(targets["inv"], t0, kf, flat[4]), (Gf, flat[4])
-        o, ht = _call(targets[_state_pass_t(targets, l2norm, h0.shape[0], HV, V)], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, *gates,
+        o, ht = _call(targets[_state_pass_t(targets, l2norm, h0.shape[0], HV, V)], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, gr,
                       h0, cstart, ccount, scale=np.float32(scale))
         return o.reshape(B, Lr, HV, V), ht
     assert not l2norm or store_h, "the forward with no gradient normalises q and k itself only from the inverse"

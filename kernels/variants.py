@@ -121,8 +121,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # (at K <= 128 also writing G and beta as the rows of `gr [NT, HV, 2, C]`, which the state pass loads by
         # TMA with its stage instead of as columns by the loading warpgroup's threads)
         Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
-                config=(("inverse_only", True), ("gate_rows", True)), dims=(64, 128)),
-        Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t",), config=(("inverse_only", True),), dims=(256,)),
+                config=(("inverse_only", True), ("gate_rows", True))),
         # with a fourth warpgroup forming the decay matrix, Ag and P (`prep`) at K <= 128: 0.175 / 0.345 ms
         # against 0.193 / 0.385 in three warpgroups at 4,4096,16,128 / 2,8192,16,128 (bf16, H200,
         # 2026-12-04, ten launches a sample, interleaved), the same bits; at K = 256 the state's registers
@@ -133,7 +132,11 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # warpgroup bounded that pass.)
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("transposed", True), ("gate_rows", True), ("col_factors", True)), dims=(64, 128)),
-        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), dims=(256,)),
+        # At K = 256 (where DELTA_FWD_INVERSE does not take it yet) in three warpgroups with one published tile each of
+        # S^T and v_new^T and two load stages (jla's `fused_fwd_kb`; `chunk_delta_fwd_t_wide`). (It replaced, unmeasured,
+        # `chunk_delta_fwd_t` in three warpgroups with one load stage and S: inv + fused_t 0.052 + 0.359 ms against
+        # wy + fused 0.119 + 0.215 at 4,4096,8,256 bf16, H200, 2026-12-04.)
+        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t_wide", outputs=("o", "ht"), dims=(256,)),
         # where V blocks of 64 leave half the SMs idle (few sequences and heads: `tilelang_backend._state_pass_t`),
         # V blocks of 32, twice the programs, warpgroup 0 carrying S (S^T [32, K] would be no tensor-core
         # GEMM's left operand: M >= 64): 0.231 against 0.256 ms at 2,8192,16,128 (0.232 against 0.135 at
@@ -143,10 +146,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
         # (and 1 / |q| off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them
         Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
-                config=(("inverse_only", True), ("gate_rows", True), ("l2norm", True)), dims=(64, 128)),
+                config=(("inverse_only", True), ("gate_rows", True), ("l2norm", True))),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("transposed", True), ("gate_rows", True), ("l2norm", True), ("col_factors", True)),
                 dims=(64, 128)),
+        Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t_wide", outputs=("o", "ht"), config=(("l2norm", True),),
+                dims=(256,)),
         # (0.238 against 0.263 at 2,8192,16,128; at K = 64 0.207 against 0.219 at 2,8192,16,64)
         Program(name="fused_t_l2_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("prep", True), ("gate_rows", True), ("l2norm", True), ("BV", 32)), dims=(64, 128)),

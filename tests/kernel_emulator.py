@@ -272,15 +272,11 @@ def _columns_to_rows(x):
     return jnp.moveaxis(x.reshape(-1, C, x.shape[1]), 1, 2)
 
 
-def delta_fwd_fused_t(q, k, v, t, *rest, scale):
-    """kernels/delta/fwd.py `chunk_delta_fwd_t`: o, ht from the gate-free inverse T0, with
-    `Ag = T0 * exp(G_i - G_j) * beta_j` and `W = v - exp(G) * (k S)` in the input dtype,
-    `v_new = Ag W`. `rest`: G, beta, h0, cstart, ccount, or with `gate_rows` gr (G and beta as
-    `[NT, HV, 2, C]` rows), h0, cstart, ccount."""
-    if len(rest) == 4:
-        gr, *rest = rest
-        rest = (_rows_to_columns(gr[:, :, 0]), _rows_to_columns(gr[:, :, 1]), *rest)
-    G, beta, h0, cstart, ccount = rest
+def delta_fwd_fused_t(q, k, v, t, gr, h0, cstart, ccount, *, scale):
+    """kernels/delta/fwd.py `chunk_delta_fwd_t` (and `chunk_delta_fwd_t_wide`): o, ht from the
+    gate-free inverse T0, with `Ag = T0 * exp(G_i - G_j) * beta_j` and `W = v - exp(G) * (k S)` in
+    the input dtype, `v_new = Ag W`; G and beta as the rows of `gr [NT, HV, 2, C]`."""
+    G, beta = _rows_to_columns(gr[:, :, 0]), _rows_to_columns(gr[:, :, 1])
     HV, dt = v.shape[1], q.dtype
     kc, vc, Gc, bc = (_chunks(x)[0] for x in (jnp.repeat(k, HV // k.shape[1], axis=1), v, G, beta))
     lower = jnp.tril(jnp.ones((C, C), bool))[None, :, :, None]
@@ -296,16 +292,17 @@ def delta_fwd_fused_t(q, k, v, t, *rest, scale):
     return o, ht
 
 
-def delta_inv(k, *gates):
-    """kernels/delta/wy.py `chunk_delta_wy(inverse_only=True)`: the gate-free
-    `T0 = (I + tril(Diag(beta) K K^T, -1))^{-1}` `[NT, HV, C, C]` in the input dtype; `gates`:
-    beta, or with `gate_rows` G, beta, and then also G and beta as rows `gr [NT, HV, 2, C]`."""
-    beta = gates[-1]
+def _inverse(k, beta):
+    """The gate-free `T0 = (I + tril(Diag(beta) K K^T, -1))^{-1}` `[NT, HV, C, C]` in k's dtype."""
     HV = beta.shape[1]
     _, _, T0 = _wy(jnp.repeat(k, HV // k.shape[1], axis=1), jnp.zeros((*beta.shape, 1), f32), jnp.zeros(beta.shape, f32), beta)
-    if len(gates) == 2:
-        return T0.astype(k.dtype), jnp.stack([_columns_to_rows(x) for x in gates], axis=2)
     return T0.astype(k.dtype)
+
+
+def delta_inv(k, G, beta):
+    """kernels/delta/wy.py `chunk_delta_wy(inverse_only=True, gate_rows=True)`: T0, and G and beta
+    as rows `gr [NT, HV, 2, C]`."""
+    return _inverse(k, beta), jnp.stack([_columns_to_rows(x) for x in (G, beta)], axis=2)
 
 
 def _rsqrt_norm(x, HV):
@@ -319,7 +316,7 @@ def delta_inv_l2(q, k, G, beta):
     HV = beta.shape[1]
     rq, rk = _rsqrt_norm(q, HV), _rsqrt_norm(k, HV)
     kn = jnp.repeat(k, HV // k.shape[1], axis=1).astype(f32) * rk[..., None]
-    return delta_inv(kn, beta).astype(k.dtype), jnp.stack([_columns_to_rows(x) for x in (G, beta, rq, rk)], axis=2)
+    return _inverse(kn, beta).astype(k.dtype), jnp.stack([_columns_to_rows(x) for x in (G, beta, rq, rk)], axis=2)
 
 
 def delta_fwd_fused_t_l2(q, k, v, t, gr, h0, cstart, ccount, *, scale):

@@ -146,10 +146,12 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
         assert all(e <= tol for e in errs.values()), (on, errs)
 
 
-@pytest.mark.parametrize("case", DELTA_CASES, ids=str)
+# (and K = 256 with the normalisation folded into `inv_l2` and `chunk_delta_fwd_t_wide`, grouped heads)
+@pytest.mark.parametrize("case", DELTA_CASES + [Case("gated_delta_rule", 1, 130, 1, 256, 256, HV=2, dtype="bfloat16", h0=True, l2norm=True)],
+                         ids=str)
 def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypatch):
     """DELTA_FWD_INVERSE: the forward with no gradient takes the gate-free inverse (`inv`) and the
-    state pass that forms v_new from it (`fused_t`; with l2 normalisation at K <= 128 `inv_l2` and
+    state pass that forms v_new from it (`fused_t`; with l2 normalisation `inv_l2` and
     `fused_t_l2` from the raw q and k; with V blocks of 32 for these few sequences and heads,
     DELTA_NARROW_PROGRAMS, and of 64 without), emulated, against the float64 recurrence; switched
     off, the WY kernel and the state pass on w and u."""
@@ -163,9 +165,9 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
     diff, cot = make_inputs(case, 37)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
-    # with use_qk_l2norm_in_kernel at K <= 128 the inverse and its state pass normalise q and k
-    # themselves (DELTA_L2NORM_FUSED), else XLA does before them
-    l2 = case.l2norm and case.K <= 128
+    # with use_qk_l2norm_in_kernel the inverse and its state pass normalise q and k themselves
+    # (DELTA_L2NORM_FUSED), else XLA does before them
+    l2 = case.l2norm
     narrow = "_v32" if case.K <= 128 else ""  # (the narrow state pass is built where the inverse's path is taken)
     paths = [(True, True, wide, ["inv_l2", "fused_t_l2"] if l2 else ["inv", "fused_t"]) for wide in (True, False)]
     paths += [(True, False, wide, ["inv", "fused_t"]) for wide in (True, False)] + [(False, True, True, ["wy", "fused"])]

@@ -412,12 +412,11 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(nwg - 1):
-                rows = lambda c: slice(c * BT, c * BT + BT)
-                loads = ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
-                         (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True))
+                loads = _t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv)
                 if gate_rows:
                     loads += ((lambda c: gr[c, ihv, 0:R, 0:BT], gr_s, True),)
                 else:
+                    rows = lambda c: slice(c * BT, c * BT + BT)
                     loads += ((lambda c: g[rows(c), ihv], g_s, False), (lambda c: beta[rows(c), ihv], b_s, False))
                 stage_loads(loads, full, free, nc, stages, c0, 1)
             if prep:
@@ -542,6 +541,165 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i,
                                              slot, stages, t0, ihv, iv, scale, True, i // 2)
 
+    return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, gate_rows=gate_rows, dims=(L, H, HV, N, NT))
+
+
+def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, l2norm: bool = False,
+                           col_factors: bool = True):
+    """`chunk_delta_fwd_t` for wide keys (K = 256), where its four warpgroups and double-buffered
+    published tiles do not fit: `S^T [BV, K]` in float32 takes 128 registers a thread of warpgroup
+    0, two stages of q and k 128 KB of shared memory (jla's `fused_fwd_kb` at K = 256 is built so).
+    G and beta (and with `l2norm` 1 / |q|, 1 / |k|) arrive as the rows of `gr` (`gate_rows`), two
+    stages of everything; three warpgroups per (V block, sequence * value head) program:
+
+    * warpgroup 2 streams q, k, the V block of v, T0 and gr (TMA);
+    * warpgroup 0 carries `S^T` (float32, registers) and publishes it in the input dtype to one
+      shared tile, from which its own `U^T = S^T k^T` reads (no 16-bit copy in registers: no room),
+      then `W^T = v^T - U^T Diag(exp(G) / |k|)` (registers), `v_new^T = W^T Ag^T`, published to a
+      second tile, and `S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G) / |k|)) k`;
+    * warpgroup 1 forms the decay matrix once per chunk, Ag in place of T0 (`ag_ready`), P (in
+      registers), then `o = scale Diag(exp(G) / |q|) q S + P v_new` from the published tiles.
+
+    The published S^T and v_new^T have a barrier pair each, so warpgroup 0 rewrites `S^T` once
+    warpgroup 1's `q S` of the chunk before has read it, and `v_new^T` once its `P v_new` has (jla
+    releases both after the last). 210 KB of shared memory at K = 256. `col_factors` as for
+    `chunk_delta_fwd_t`."""
+    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    acc = "float32"
+    stages = 2
+    R = 4 if l2norm else 2  # gr's rows: G, beta (, 1 / |q|, 1 / |k|)
+
+    @T.macro
+    def body(q, k, v, t, g, beta, gr, h0, cstart, ccount, scale, o, ht):
+        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=384) as (iv, inh):
+            n = inh // HV
+            ihv = inh % HV
+            ih = ihv // (HV // H)
+            q_s = T.alloc_shared((stages, BT, K), dtype)
+            k_s = T.alloc_shared((stages, BT, K), dtype)
+            v_s = T.alloc_shared((stages, BT, BV), dtype)
+            t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 1)
+            gr_s = T.alloc_shared((stages, R, BT), acc)
+            h_s = T.alloc_shared((BV, K), dtype)  # S^T, published
+            vn_s = T.alloc_shared((BV, BT), dtype)  # v_new^T, published
+            o_s = T.alloc_shared((BT, BV), dtype)
+            b_h = T.alloc_fragment((BV, K), acc)  # warpgroup 0's
+            acc_v = T.alloc_fragment((BV, BT), acc)
+            x_t = T.alloc_fragment((BV, BT), dtype)
+            if col_factors:
+                fe = T.alloc_fragment((BT,), acc)
+                fd = T.alloc_fragment((BT,), acc)
+            acc_d = T.alloc_fragment((BT, BT), acc)  # warpgroup 1's: the decay matrix, Ag and P, o
+            acc_s = T.alloc_fragment((BT, BT), acc)
+            p_f = T.alloc_fragment((BT, BT), dtype)
+            acc_o = T.alloc_fragment((BT, BV), acc)
+            fq = T.alloc_fragment((BT,), acc)
+            full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
+            free = T.alloc_barrier([256] * stages)  # warpgroups 0 and 1 are done with a stage
+            ag_ready = T.alloc_barrier([128] * stages)  # the stage's Ag is written
+            h_ready = T.alloc_barrier([128])  # S^T published
+            h_free = T.alloc_barrier([128])  # and read by warpgroup 1
+            v_ready = T.alloc_barrier([128])  # v_new^T published
+            v_free = T.alloc_barrier([128])
+            G = lambda slot, x: gr_s[slot, 0, x]
+            Bt = lambda slot, x: gr_s[slot, 1, x]
+            qf = (lambda slot, a: gr_s[slot, 2, a]) if l2norm else (lambda slot, a: 1.0)
+            kf = (lambda slot, c: gr_s[slot, 3, c]) if l2norm else (lambda slot, c: 1.0)
+            grow = lambda slot, c: T.exp(G(slot, c)) * kf(slot, c)
+            decay = lambda slot, c: T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c)
+            col_e, col_d = ((lambda slot, c: fe[c]), (lambda slot, c: fd[c])) if col_factors else (grow, decay)
+            c0 = cstart[n]
+            nc = ccount[n]
+            with T.ws(2):
+                loads = _t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv) + ((lambda c: gr[c, ihv, 0:R, 0:BT], gr_s, True),)
+                stage_loads(loads, full, free, nc, stages, c0, 1)
+            with T.ws(0):
+                T.set_max_nreg(232, 1)
+                for r, c in T.Parallel(BV, K):
+                    b_h[r, c] = h0[n, ihv, c, iv * BV + r]
+                for i in T.serial(nc):
+                    slot = i % stages
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    if i >= 1:  # warpgroup 1's q S of chunk i - 1 has read S^T
+                        T.barrier_wait(h_free[0], (i + 1) % 2)
+                    T.copy(b_h, h_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(h_ready[0])
+                    T.clear(acc_v)
+                    T.gemm(h_s, k_s[slot, :, :], acc_v, transpose_B=True)  # U^T = S^T k^T
+                    if col_factors:
+                        for c in T.Parallel(BT):
+                            fe[c] = grow(slot, c)
+                            fd[c] = decay(slot, c)
+                    for r, c in T.Parallel(BV, BT):  # W^T
+                        x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * col_e(slot, c), dtype)
+                    T.barrier_wait(ag_ready[slot], (i // stages) % 2)
+                    T.clear(acc_v)
+                    T.gemm(x_t, t_s[slot, :, :], acc_v, transpose_B=True)  # v_new^T = W^T Ag^T
+                    if i >= 1:  # warpgroup 1's P v_new of chunk i - 1 has read v_new^T
+                        T.barrier_wait(v_free[0], (i + 1) % 2)
+                    T.copy(acc_v, vn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(v_ready[0])
+                    for r, c in T.Parallel(BV, BT):
+                        x_t[r, c] = T.cast(acc_v[r, c] * col_d(slot, c), dtype)
+                    for r, c in T.Parallel(BV, K):
+                        b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
+                    T.gemm(x_t, k_s[slot, :, :], b_h)  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
+                    T.barrier_arrive(free[slot])
+                for r, c in T.Parallel(BV, K):
+                    ht[n, ihv, c, iv * BV + r] = b_h[r, c]
+            with T.ws(1):
+                T.set_max_nreg(232, 1)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    t0 = (c0 + i) * BT
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers
+                    for r, c in T.Parallel(BT, BT):
+                        acc_d[r, c] = T.if_then_else(r >= c, T.exp(G(slot, r) - G(slot, c)), 0.0)
+                    for r, c in T.Parallel(BT, BT):
+                        acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * Bt(slot, c)
+                    T.copy(acc_s, t_s[slot, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ag_ready[slot])
+                    T.clear(acc_s)
+                    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+                    for r, c in T.Parallel(BT, BT):
+                        p_f[r, c] = T.cast(acc_s[r, c] * acc_d[r, c] * scale * qf(slot, r) * kf(slot, c), dtype)
+                    for r in T.Parallel(BT):
+                        fq[r] = T.exp(G(slot, r)) * qf(slot, r) * scale
+                    T.barrier_wait(h_ready[0], i % 2)
+                    T.clear(acc_o)
+                    T.gemm(q_s[slot, :, :], h_s, acc_o, transpose_B=True)
+                    T.barrier_arrive(h_free[0])
+                    for r, c in T.Parallel(BT, BV):
+                        acc_o[r, c] = acc_o[r, c] * fq[r]
+                    T.barrier_wait(v_ready[0], i % 2)
+                    T.gemm(p_f, vn_s, acc_o, transpose_B=True)
+                    T.barrier_arrive(v_free[0])
+                    T.barrier_arrive(free[slot])
+                    T.copy(acc_o, o_s)
+                    T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+
+    return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, gate_rows=True, dims=(L, H, HV, N, NT))
+
+
+def _t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv):
+    """`stage_loads`' list for the passes from the inverse: q, k (head `ih`), the V block `iv` of v
+    and T0 by TMA (the gates follow)."""
+    BT, K = (int(d) for d in q_s.shape[1:])
+    BV = int(v_s.shape[2])
+    rows = lambda c: slice(c * BT, c * BT + BT)
+    return ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
+            (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True))
+
+
+def _t_prim_func(body, *, K: int, V: int, dtype: str, BT: int, R: int, gate_rows: bool, dims):
+    """The prim_func of a pass from the inverse: `body(q, k, v, t, g, beta, gr, h0, cstart, ccount,
+    scale, o, ht)` with G and beta as rows `gr [NT, HV, R, BT]` (`gate_rows`) or as columns."""
+    L, H, HV, N, NT = dims
+    acc = "float32"
     if gate_rows:
 
         @T.prim_func
