@@ -131,7 +131,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # same bits (2026-12-04). (With three warpgroups, 2026-12-03, S^T gained nothing: the output
         # warpgroup bounded that pass.)
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("transposed", True), ("gate_rows", True), ("col_factors", True)), dims=(64, 128)),
+                config=(("transposed", True), ("col_factors", True)), dims=(64, 128)),
         # At K = 256 (where DELTA_FWD_INVERSE does not take it yet) in three warpgroups with one published tile each of
         # S^T and v_new^T and two load stages (jla's `fused_fwd_kb`; `chunk_delta_fwd_t_wide`). (It replaced, unmeasured,
         # `chunk_delta_fwd_t` in three warpgroups with one load stage and S: inv + fused_t 0.052 + 0.359 ms against
@@ -142,19 +142,19 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # GEMM's left operand: M >= 64): 0.231 against 0.256 ms at 2,8192,16,128 (0.232 against 0.135 at
         # 4,4096,16,128, where the programs fill the SMs; bf16, H200, 2026-12-04); with l2norm below
         Program(name="fused_t_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("gate_rows", True), ("BV", 32)), dims=(64, 128)),
+                config=(("BV", 32),), dims=(64, 128)),
         # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
         # (and 1 / |q| off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them
         Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
                 config=(("inverse_only", True), ("gate_rows", True), ("l2norm", True))),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("transposed", True), ("gate_rows", True), ("l2norm", True), ("col_factors", True)),
+                config=(("transposed", True), ("l2norm", True), ("col_factors", True)),
                 dims=(64, 128)),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t_wide", outputs=("o", "ht"), config=(("l2norm", True),),
                 dims=(256,)),
         # (0.238 against 0.263 at 2,8192,16,128; at K = 64 0.207 against 0.219 at 2,8192,16,64)
         Program(name="fused_t_l2_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("gate_rows", True), ("l2norm", True), ("BV", 32)), dims=(64, 128)),
+                config=(("l2norm", True), ("BV", 32)), dims=(64, 128)),
     ),
     ("delta", "bwd"): (
         # warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit). Each also
@@ -281,22 +281,21 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # G's rows by TMA, exp(G_C - G) per element
         Program(name="x_fused_h_rows", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd",
                 outputs=("o", "vnew", "h", "ht"), config=(("store_h", True), *G_ROWS)),
-        # the forward from T0 in three warpgroups (dispatched before); and with the fourth warpgroup also
+        # the forward from T0 with the fourth warpgroup also
         # forming k exp(G_C - G) so that warpgroup 0 updates the state from the published v_new (`decay_k`):
         # slower, 0.183 / 0.349 ms against 0.175 / 0.345 without at 4,4096,16,128 / 2,8192,16,128 (bf16,
         # H200, 2026-12-04): the fourth warpgroup becomes the bound (warpgroup 0 waits on Ag for 22 % of its
         # stall samples, the output warpgroup on P for 64 %). (With P left to the output warpgroup, its own
         # fragment, 0.184 / 0.346: not kept.)
-        # (The three-warpgroup pass, x_fused_t_3wg, left with gate_rows: it loads G and beta as columns.)
+        # (The three-warpgroup pass, x_fused_t_3wg, was dropped with gate_rows; its code on 2026-12-04.)
         Program(name="x_fused_t_kd", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("decay_k", True), ("gate_rows", True))),
+                config=(("decay_k", True),)),
         # (Tried, not kept: warpgroup 0 reading its v^T into registers before its first GEMM, so that the
         # transposed two-byte loads overlap the GEMM: 0.165 / 0.289 ms against 0.159 / 0.270; the fourth
         # warpgroup forming exp(G) and exp(G_C - G) for it, 0.159 / 0.283 against 0.160 / 0.269; three load
         # stages, one P tile each, 0.160 / 0.274 against 0.1595 / 0.265, 2026-12-04.)
         # warpgroup 0 carrying S, not S^T (dispatched before)
-        Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("prep", True), ("gate_rows", True))),
+        Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
     ),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)

@@ -320,7 +320,7 @@ def delta_inv_l2(q, k, G, beta):
 
 
 def delta_fwd_fused_t_l2(q, k, v, t, gr, h0, cstart, ccount, *, scale):
-    """`chunk_delta_fwd_t(gate_rows=True, l2norm=True)`: `chunk_delta_fwd_t` of the raw q and k
+    """`chunk_delta_fwd_t(l2norm=True)`: `chunk_delta_fwd_t` of the raw q and k
     scaled by their `1 / |x|` (rows 2 and 3 of `gr`, per value head)."""
     HV = v.shape[1]
     norm = lambda x, rx: (jnp.repeat(x, HV // x.shape[1], axis=1).astype(f32) * _rows_to_columns(rx)[..., None]).astype(x.dtype)

@@ -257,19 +257,22 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
         "fla.disable_shared_memory_reuse", 1)
 
 
-def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
-                      prep: bool = False, decay_k: bool = False, transposed: bool = False, l2norm: bool = False,
-                      gate_rows: bool = False, col_factors: bool = False):
+def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, decay_k: bool = False,
+                      transposed: bool = False, l2norm: bool = False, col_factors: bool = False):
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
-    gated inverse times Diag(beta)), `v_new = u - w S = Ag (v - exp(G) * (k S))`. Three
+    gated inverse times Diag(beta)), `v_new = u - w S = Ag (v - exp(G) * (k S))`. Four
     warpgroups per (V block, sequence * value head) program:
 
-    * warpgroup 2 streams q, k, the V block of v, T0 (TMA), G and beta into `stages` buffers;
-    * warpgroup 1 turns the stage's T0 into Ag in place (signalled on `ag_ready`), computes
-      `P = scale Q K^T * exp(G_i - G_j)`, then `o = scale (q * exp(G)) S + P v_new` from the
-      published tiles, and stores it;
+    * warpgroup 3 streams q, k, the V block of v, T0 and `gr` (TMA) into two stages: G and beta
+      per chunk as the rows of `gr [NT, HV, R, C]` (float32, written by
+      `chunk_delta_wy(inverse_only=True, gate_rows=True)`);
+    * warpgroup 2 forms the decay matrix `exp(G_i - G_j)` once per chunk, Ag in place of T0
+      (signalled on `ag_ready`), then `P = scale Q K^T * exp(G_i - G_j)` into the stage's own P
+      tile (`p_ready`) and the output warpgroup's `exp(G)` exponent;
+    * warpgroup 1 forms `o = scale (q * exp(G)) S + P v_new` from P and the published tiles, and
+      stores it;
     * warpgroup 0 keeps `S` (float32) in registers: per chunk it publishes `S` (input dtype) in
       buffer `i % 2`, forms `W = v - exp(G) * (k S)` (input dtype), `v_new = Ag W` into the
       same buffer's `v_new` tile, then `S <- exp(G_C) S + k^T (v_new * exp(G_C - G))`.
@@ -277,42 +280,39 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     The published S and v_new are double-buffered (jla's choice), so warpgroup 0 waits for
     warpgroup 1 only two chunks back. Writes `o` and the final states `ht`; not v_new nor h (a
     gradient takes `chunk_delta_fwd` after `chunk_delta_wy`, whose w, u, T the backward reads).
+    At K = 256 the state's registers leave no room for this: `chunk_delta_fwd_t_wide`.
 
-    `prep`: four warpgroups (512 threads). Nsight Compute (H200, 4,4096,16,128) found the output
-    warpgroup of the three-warpgroup pass busy all the time, 37 % of it on Ag (the decay matrix
-    `exp(G_i - G_j)` formed twice per chunk, for Ag and for P), and warpgroup 0 waiting on Ag for
-    15 % of its time. With `prep` a third warpgroup forms the decay matrix once per chunk, Ag (in
-    place, `ag_ready`) and then `P` into the stage's own P tile (`p_ready`); the output warpgroup
-    only forms `o` from P, the published S and v_new; warpgroup 3 loads. The same bits; 0.175 /
-    0.345 ms against 0.193 / 0.385 at 4,4096,16,128 / 2,8192,16,128 bf16 (H200, 2026-12-04). The
-    third warpgroup's block must come before warpgroup 0's in the program: after it, TileLang synced
-    the whole block between the warpgroups (as it does where two warpgroups share a fragment).
+    History. In three warpgroups (until 2026-12-04) warpgroup 1 formed Ag, P and o. Nsight Compute
+    (H200, 4,4096,16,128) found it busy all the time, 37 % of it on Ag (the decay matrix formed twice
+    per chunk, for Ag and for P), and warpgroup 0 waiting on Ag for 15 % of its time; the fourth
+    warpgroup (`prep`): the same bits, 0.175 / 0.345 ms against 0.193 / 0.385 at 4,4096,16,128 /
+    2,8192,16,128 bf16 (H200, 2026-12-04). The third warpgroup's block must come before warpgroup
+    0's in the program: after it, TileLang synced the whole block between the warpgroups (as it
+    does where two warpgroups share a fragment). G and beta came as `[L, HV]` columns that the
+    loading warpgroup's threads loaded, each such load delaying the stage's arrival, until
+    `gate_rows` (2026-12-04: 0.139 / 0.261 ms against 0.166 / 0.281). The three-warpgroup pass and
+    the columns were removed on 2026-12-04 (twenty-first session) once nothing built them.
 
-    `decay_k` (with `prep`): the third warpgroup also forms `kd = k exp(G_C - G)` (input dtype, a
+    `decay_k`: the third warpgroup also forms `kd = k exp(G_C - G)` (input dtype, a
     tile per stage) before signalling `ag_ready`, and warpgroup 0 updates the state from the
     published v_new, `S <- exp(G_C) S + kd^T v_new`, instead of decaying v_new itself (the decay,
     its rounding and its store took 30 % of warpgroup 0's stall samples). The same as fla's
     `k exp(G_C - G)` update; the product is rounded where the other rounds `v_new exp(G_C - G)`.
 
-    `transposed` (with `prep`): warpgroup 0 carries `S^T [BV, K]` as jla's `fused_fwd_wy` does, so
+    `transposed`: warpgroup 0 carries `S^T [BV, K]` as jla's `fused_fwd_wy` does, so
     that all three of its GEMMs take their left operand from registers: `U^T = S^T k^T` (S^T in the
     input dtype, the tile it also publishes), `v_new^T = W^T Ag^T` with
     `W^T = v^T - U^T Diag(exp(G))`, `S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k`. Nothing
     on the chain waits for a shared-memory tile it wrote; the published S^T and v_new^T enter the
     output warpgroup's GEMMs transposed. (Tried with three warpgroups on 2026-12-03 it gained
-    nothing: the output warpgroup bounded that pass; with `prep` the chain does.) The same bits;
+    nothing: the output warpgroup bounded that pass; with four the chain does.) The same bits;
     0.161 / 0.273 ms against 0.177 / 0.344 at 4,4096,16,128 / 2,8192,16,128 bf16 (H200,
     2026-12-04). Nsight Compute then found warpgroup 0 waiting for its stage's loads 16 % of its
     time (a stage is refilled only once the output warpgroup has formed that chunk's o); three
     stages (one P tile per stage, 231 KB: `transposed` frees W's and the decayed v_new's tiles)
     measured no faster, 0.160 / 0.274 against 0.1595 / 0.265 ms (2026-12-04), and were dropped.
 
-    `gate_rows` (with `prep`): G and beta arrive per chunk as the rows of `gr [NT, HV, R, C]`
-    (float32, written by `chunk_delta_wy(inverse_only=True, gate_rows=True)`), one TMA box per stage,
-    instead of `[L, HV]` columns that the loading warpgroup's threads load (each such load delays
-    the stage's arrival); the third warpgroup writes the output warpgroup's `exp(G)` exponent.
-
-    `l2norm` (with `gate_rows`; `use_qk_l2norm_in_kernel`): q and k arrive raw, `gr` has two more
+    `l2norm` (`use_qk_l2norm_in_kernel`): q and k arrive raw, `gr` has two more
     rows, `1 / |q|` and `1 / |k|` (R = 4; two more `[L, HV]` columns loaded by the loading
     warpgroup's threads made the pass 0.232 ms against 0.159 without l2norm at 4,4096,16,128); the
     normalisation becomes row factors of what the pass forms anyway: `U^T`'s columns and the
@@ -330,45 +330,30 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     element (32 each); the same bits."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
-    stages = stages or (2 if K <= 128 else 1)
-    nwg = 4 if prep else 3
-    if prep and stages != 2:
-        raise ValueError("chunk_delta_fwd_t(prep=True) keeps one P tile per stage of two")
-    if decay_k and not prep:
-        raise ValueError("chunk_delta_fwd_t(decay_k=True) needs prep=True")
-    if transposed and (decay_k or not prep):
-        raise ValueError("chunk_delta_fwd_t(transposed=True) needs prep=True and not decay_k")
-    if l2norm and not gate_rows:
-        raise ValueError("chunk_delta_fwd_t(l2norm=True) is written for gate_rows=True")
-    if gate_rows and not prep:
-        raise ValueError("chunk_delta_fwd_t(gate_rows=True) needs prep=True")
-    R = 4 if l2norm else 2  # gate_rows: G, beta (, 1 / |q|, 1 / |k|)
+    stages = 2  # (one P tile per stage)
+    if transposed and decay_k:
+        raise ValueError("chunk_delta_fwd_t(transposed=True) is written without decay_k")
+    R = 4 if l2norm else 2  # gr's rows: G, beta (, 1 / |q|, 1 / |k|)
 
     st = (BV, K) if transposed else (K, BV)  # the state's tiles: S^T or S
     vt = (BV, BT) if transposed else (BT, BV)  # v_new's
 
     @T.macro
-    def body(q, k, v, t, g, beta, gr, h0, cstart, ccount, scale, o, ht):
-        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=128 * nwg) as (iv, inh):
+    def body(q, k, v, t, gr, h0, cstart, ccount, scale, o, ht):
+        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=512) as (iv, inh):
             n = inh // HV
             ihv = inh % HV
             ih = ihv // (HV // H)
             q_s = T.alloc_shared((stages, BT, K), dtype)
             k_s = T.alloc_shared((stages, BT, K), dtype)
             v_s = T.alloc_shared((stages, BT, BV), dtype)
-            t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 1, or 2 with prep)
+            t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 2)
             # G, beta and the row factors of l2norm (1 without; functions, since TileLang makes a name bound to an
             # expression a variable)
-            if gate_rows:
-                gr_s = T.alloc_shared((stages, R, BT), acc)
-                gq_s = T.alloc_shared((stages, BT), acc)  # G (+ log 1 / |q|), the output warpgroup's exponent
-                G = lambda slot, x: gr_s[slot, 0, x]
-                Bt = lambda slot, x: gr_s[slot, 1, x]
-            else:
-                g_s = T.alloc_shared((stages, BT), acc)
-                b_s = T.alloc_shared((stages, BT), acc)
-                G = lambda slot, x: g_s[slot, x]
-                Bt = lambda slot, x: b_s[slot, x]
+            gr_s = T.alloc_shared((stages, R, BT), acc)
+            gq_s = T.alloc_shared((stages, BT), acc)  # G (+ log 1 / |q|), the output warpgroup's exponent
+            G = lambda slot, x: gr_s[slot, 0, x]
+            Bt = lambda slot, x: gr_s[slot, 1, x]
             kf = (lambda slot, c: gr_s[slot, 3, c]) if l2norm else (lambda slot, c: 1.0)
             pf = (lambda slot, a, c: gr_s[slot, 2, a] * gr_s[slot, 3, c]) if l2norm else (lambda slot, a, c: 1.0)
             # warpgroup 0's column factors (transposed; row factors with S): exp(G) / |k| and exp(G_C - G) / |k|,
@@ -390,17 +375,16 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                 w_s = T.alloc_shared((BT, BV), dtype)
                 vd_s = T.alloc_shared((BT, BV), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
-            p_s1 = T.alloc_shared((BT, BT), dtype)  # with prep: stage 1's P (stage 0's in p_s)
+            p_s1 = T.alloc_shared((BT, BT), dtype)  # stage 1's P (stage 0's in p_s)
             o_s = T.alloc_shared((BT, BV), dtype)
             b_h = T.alloc_fragment(st, acc)
             acc_v = T.alloc_fragment(vt, acc)
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
-            if prep:
-                acc_d = T.alloc_fragment((BT, BT), acc)  # the chunk's decay matrix
-                p_ready = T.alloc_barrier([128] * stages)  # the stage's P is written
-                if decay_k:
-                    kd_s = T.alloc_shared((stages, BT, K), dtype)  # k exp(G_C - G)
+            acc_d = T.alloc_fragment((BT, BT), acc)  # the chunk's decay matrix
+            p_ready = T.alloc_barrier([128] * stages)  # the stage's P is written
+            if decay_k:
+                kd_s = T.alloc_shared((stages, BT, K), dtype)  # k exp(G_C - G)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
             free = T.alloc_barrier([256] * stages)  # warpgroups 0 and 1 are done with a stage
             ag_ready = T.alloc_barrier([128] * stages)  # the stage's Ag is written
@@ -411,46 +395,39 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             bufs = ((h_s0, vn_s0, s_ready0, s_free0), (h_s1, vn_s1, s_ready1, s_free1))
             c0 = cstart[n]
             nc = ccount[n]
-            with T.ws(nwg - 1):
-                loads = _t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv)
-                if gate_rows:
-                    loads += ((lambda c: gr[c, ihv, 0:R, 0:BT], gr_s, True),)
-                else:
-                    rows = lambda c: slice(c * BT, c * BT + BT)
-                    loads += ((lambda c: g[rows(c), ihv], g_s, False), (lambda c: beta[rows(c), ihv], b_s, False))
-                stage_loads(loads, full, free, nc, stages, c0, 1)
-            if prep:
-                with T.ws(2):
-                    T.set_max_nreg(136, 1)
-                    for i in T.serial(nc):
-                        slot = i % stages
-                        T.barrier_wait(full[slot], (i // stages) % 2)
-                        T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers
-                        for r, c in T.Parallel(BT, BT):
-                            acc_d[r, c] = T.if_then_else(r >= c, T.exp(G(slot, r) - G(slot, c)), 0.0)
-                        for r, c in T.Parallel(BT, BT):
-                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * Bt(slot, c)
-                        T.copy(acc_s, t_s[slot, :, :])
-                        if decay_k:
-                            for r, c in T.Parallel(BT, K):
-                                kd_s[slot, r, c] = T.cast(T.cast(k_s[slot, r, c], acc) * T.exp(G(slot, BT - 1) - G(slot, r)), dtype)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(ag_ready[slot])
-                        T.clear(acc_s)
-                        T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
-                        for r, c in T.Parallel(BT, BT):
-                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale * pf(slot, r, c)
-                        if gate_rows:  # the output warpgroup's exponent, G (+ log 1 / |q|)
-                            for r in T.Parallel(BT):
-                                gq_s[slot, r] = G(slot, r) + (T.log(gr_s[slot, 2, r]) if l2norm else 0.0)
-                        if slot == 0:
-                            T.copy(acc_s, p_s)
-                        else:
-                            T.copy(acc_s, p_s1)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(p_ready[slot])
+            with T.ws(3):
+                stage_loads(_t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv) + ((lambda c: gr[c, ihv, 0:R, 0:BT], gr_s, True),),
+                            full, free, nc, stages, c0, 1)
+            with T.ws(2):
+                T.set_max_nreg(136, 1)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    T.barrier_wait(full[slot], (i // stages) % 2)
+                    T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers
+                    for r, c in T.Parallel(BT, BT):
+                        acc_d[r, c] = T.if_then_else(r >= c, T.exp(G(slot, r) - G(slot, c)), 0.0)
+                    for r, c in T.Parallel(BT, BT):
+                        acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * Bt(slot, c)
+                    T.copy(acc_s, t_s[slot, :, :])
+                    if decay_k:
+                        for r, c in T.Parallel(BT, K):
+                            kd_s[slot, r, c] = T.cast(T.cast(k_s[slot, r, c], acc) * T.exp(G(slot, BT - 1) - G(slot, r)), dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ag_ready[slot])
+                    T.clear(acc_s)
+                    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+                    for r, c in T.Parallel(BT, BT):
+                        acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale * pf(slot, r, c)
+                    for r in T.Parallel(BT):  # the output warpgroup's exponent, G (+ log 1 / |q|)
+                        gq_s[slot, r] = G(slot, r) + (T.log(gr_s[slot, 2, r]) if l2norm else 0.0)
+                    if slot == 0:
+                        T.copy(acc_s, p_s)
+                    else:
+                        T.copy(acc_s, p_s1)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready[slot])
             with T.ws(0):
-                T.set_max_nreg(200 if prep else 232, 1)
+                T.set_max_nreg(200, 1)
                 if transposed:
                     for r, c in T.Parallel(BV, K):
                         b_h[r, c] = h0[n, ihv, c, iv * BV + r]
@@ -512,36 +489,18 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                         ht[n, ihv, c, iv * BV + r] = b_h[r, c]
                 else:
                     T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
-            if prep:
-                with T.ws(1):
-                    T.set_max_nreg(136, 1)
-                    for i in T.serial(nc):
-                        slot = i % stages
-                        t0 = (c0 + i) * BT
-                        T.barrier_wait(p_ready[slot], (i // stages) % 2)
-                        for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
-                            if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
-                                output_from_p(q_s, gq_s if gate_rows else g_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready,
-                                              s_free, slot, t0, ihv, iv, scale, True, i // 2, transposed)
-            else:
-                with T.ws(1):
-                    T.set_max_nreg(232, 1)
-                    for i in T.serial(nc):
-                        slot = i % stages
-                        t0 = (c0 + i) * BT
-                        T.barrier_wait(full[slot], (i // stages) % 2)
-                        T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers (acc_s is free until P)
-                        for r, c in T.Parallel(BT, BT):
-                            acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(G(slot, r) - G(slot, c)) * Bt(slot, c), 0.0)
-                        T.copy(acc_s, t_s[slot, :, :])
-                        T.fence_proxy_async()
-                        T.barrier_arrive(ag_ready[slot])
-                        for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
-                            if i % 2 == j:
-                                output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i,
-                                             slot, stages, t0, ihv, iv, scale, True, i // 2)
+            with T.ws(1):
+                T.set_max_nreg(136, 1)
+                for i in T.serial(nc):
+                    slot = i % stages
+                    t0 = (c0 + i) * BT
+                    T.barrier_wait(p_ready[slot], (i // stages) % 2)
+                    for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
+                        if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
+                            output_from_p(q_s, gq_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready,
+                                          s_free, slot, t0, ihv, iv, scale, True, i // 2, transposed)
 
-    return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, gate_rows=gate_rows, dims=(L, H, HV, N, NT))
+    return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
 
 
 def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, l2norm: bool = False,
@@ -549,7 +508,7 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
     """`chunk_delta_fwd_t` for wide keys (K = 256), where its four warpgroups and double-buffered
     published tiles do not fit: `S^T [BV, K]` in float32 takes 128 registers a thread of warpgroup
     0, two stages of q and k 128 KB of shared memory (jla's `fused_fwd_kb` at K = 256 is built so).
-    G and beta (and with `l2norm` 1 / |q|, 1 / |k|) arrive as the rows of `gr` (`gate_rows`), two
+    G and beta (and with `l2norm` 1 / |q|, 1 / |k|) arrive as the rows of `gr`, two
     stages of everything; three warpgroups per (V block, sequence * value head) program:
 
     * warpgroup 2 streams q, k, the V block of v, T0 and gr (TMA);
@@ -570,7 +529,7 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
     R = 4 if l2norm else 2  # gr's rows: G, beta (, 1 / |q|, 1 / |k|)
 
     @T.macro
-    def body(q, k, v, t, g, beta, gr, h0, cstart, ccount, scale, o, ht):
+    def body(q, k, v, t, gr, h0, cstart, ccount, scale, o, ht):
         with T.Kernel(T.ceildiv(V, BV), N * HV, threads=384) as (iv, inh):
             n = inh // HV
             ihv = inh % HV
@@ -682,7 +641,7 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                     T.copy(acc_o, o_s)
                     T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
 
-    return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, gate_rows=True, dims=(L, H, HV, N, NT))
+    return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
 
 
 def _t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv):
@@ -695,47 +654,27 @@ def _t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv):
             (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True))
 
 
-def _t_prim_func(body, *, K: int, V: int, dtype: str, BT: int, R: int, gate_rows: bool, dims):
-    """The prim_func of a pass from the inverse: `body(q, k, v, t, g, beta, gr, h0, cstart, ccount,
-    scale, o, ht)` with G and beta as rows `gr [NT, HV, R, BT]` (`gate_rows`) or as columns."""
+def _t_prim_func(body, *, K: int, V: int, dtype: str, BT: int, R: int, dims):
+    """The prim_func of a pass from the inverse: `body(q, k, v, t, gr, h0, cstart, ccount, scale, o,
+    ht)`, G and beta (and the l2norm factors) as the rows of `gr [NT, HV, R, BT]`."""
     L, H, HV, N, NT = dims
     acc = "float32"
-    if gate_rows:
 
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            t: T.Tensor((NT, HV, BT, BT), dtype),
-            gr: T.Tensor((NT, HV, R, BT), acc),
-            h0: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, HV, V), dtype),
-            ht: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, v, t, None, None, gr, h0, cstart, ccount, scale, o, ht)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            t: T.Tensor((NT, HV, BT, BT), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
-            h0: T.Tensor((N, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, HV, V), dtype),
-            ht: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, v, t, g, beta, None, h0, cstart, ccount, scale, o, ht)
+    @T.prim_func
+    def main(
+        q: T.Tensor((L, H, K), dtype),
+        k: T.Tensor((L, H, K), dtype),
+        v: T.Tensor((L, HV, V), dtype),
+        t: T.Tensor((NT, HV, BT, BT), dtype),
+        gr: T.Tensor((NT, HV, R, BT), acc),
+        h0: T.Tensor((N, HV, K, V), acc),
+        cstart: T.Tensor((N,), "int32"),
+        ccount: T.Tensor((N,), "int32"),
+        scale: T.float32,
+        o: T.Tensor((L, HV, V), dtype),
+        ht: T.Tensor((N, HV, K, V), acc),
+    ):
+        body(q, k, v, t, gr, h0, cstart, ccount, scale, o, ht)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return main.with_attr("fla.disable_shared_memory_reuse", 1)
