@@ -81,6 +81,12 @@ G_ROWS: Final = (("g_rows", True),)
 # G_ROWS alone), 0.309 -> 0.257 at 2,8192,16,128; at K = 256 `fused` 0.436 -> 0.400, `fused_h` 0.464 -> 0.451;
 # simple GLA's `fused` 0.101 -> 0.095 (bf16, H200, 2026-12-04, ten launches a sample, old and new in one call)
 ROW_FACTORS: Final = (("row_factors", True),)
+# the WY kernels' float32 A / T tile with its rows padded by 8 floats, A stored from the registers two floats at a
+# time (`chunk_delta_wy(pad_rows=True)`): at the unpadded 256-byte rows the eight rows a warp's store spans fall in
+# the same banks (8-way conflicts on 32 stores a thread; jla's SOLVE_PAD, which it measured at 30 % of its
+# `kkt_fwd` on an H100). Same bits. Built 2026-12-04 with no GPU lent: experiments until measured.
+PAD_ROWS: Final = (("pad_rows", True),)
+INV: Final = (("inverse_only", True), ("gate_rows", True))
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -120,8 +126,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # pass that forms v_new from it with no w and u (jla's fused_fwd_wy)
         # (at K <= 128 also writing G and beta as the rows of `gr [NT, HV, 2, C]`, which the state pass loads by
         # TMA with its stage instead of as columns by the loading warpgroup's threads)
-        Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
-                config=(("inverse_only", True), ("gate_rows", True))),
+        Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=INV),
         # with a fourth warpgroup forming the decay matrix, Ag and P (`prep`) at K <= 128: 0.175 / 0.345 ms
         # against 0.193 / 0.385 in three warpgroups at 4,4096,16,128 / 2,8192,16,128 (bf16, H200,
         # 2026-12-04, ten launches a sample, interleaved), the same bits; at K = 256 the state's registers
@@ -145,8 +150,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("BV", 32),), dims=(64, 128)),
         # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
         # (and 1 / |q| off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them
-        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
-                config=(("inverse_only", True), ("gate_rows", True), ("l2norm", True))),
+        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, ("l2norm", True))),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("transposed", True), ("l2norm", True), ("col_factors", True)),
                 dims=(64, 128)),
@@ -296,7 +300,17 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # stages, one P tile each, 0.160 / 0.274 against 0.1595 / 0.265, 2026-12-04.)
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
+        # the A / T tile's rows padded (PAD_ROWS, not yet run)
+        *(Program(name=f"x_{name}_pad", of=name, module="delta.wy", builder="chunk_delta_wy", outputs=outputs, config=(*config, *PAD_ROWS))
+          for name, outputs, config in (("inv", ("t", "gr"), INV), ("inv_l2", ("t", "gr"), (*INV, ("l2norm", True))),
+                                        ("wy", ("w", "u"), ()),
+                                        ("wy_t_l2", ("w", "u", "t", "yq", "yk", "rq", "rk"), (("store_t", True), ("l2norm", True))))),
     ),
+    # and at K = 64, where the inverse bounds the forward from T0 (`inv_l2` ~0.085 ms against `fused_t_l2` ~0.07 at
+    # 8,2048,16,64)
+    ("delta", "fwd", "bf16", 64): tuple(
+        Program(name=f"x_{name}_pad", of=name, module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*config, *PAD_ROWS))
+        for name, config in (("inv", INV), ("inv_l2", (*INV, ("l2norm", True))))),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)
     ("delta", "fwd", "bf16", 256): (

@@ -283,6 +283,17 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         v, beta = x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
         t = (jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32),) if name == "wy_t" else ()
         return (like(k), like(v), *t), (k, v, G, beta), {}
+    if op == "delta" and name in ("inv", "inv_l2", "wy_t_l2"):  # the inverse alone (gr: G, beta (, 1 / |q|, 1 / |k|) as rows),
+        # and the training forward's WY kernel, from the raw q and k where they normalise them
+        q, v, beta = x(L, H, D), x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
+        k = unit(x(L, H, D)) if name == "inv" else x(L, H, D)
+        t0, r = jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), jax.ShapeDtypeStruct((L, H), jnp.float32)
+        if name == "inv":
+            return (t0, jax.ShapeDtypeStruct((NT, H, 2, 64), jnp.float32)), (k, G, beta), {}
+        if name == "inv_l2":
+            return (t0, jax.ShapeDtypeStruct((NT, H, 4, 64), jnp.float32)), (q, k, G, beta), {}
+        tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
+        return (like(k), like(v), tm, like(q), like(k), r, r), (q, k, v, G, beta), {}
     if op in ("simple_gla", "delta") and name == "dqkvg":  # the consumer (the delta rules': on v_new, k unit rows)
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         k = unit(k) if op == "delta" else k

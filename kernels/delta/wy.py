@@ -40,7 +40,8 @@ def _hi_lo(BT: int, dtype: str, *, scaled: bool):
 def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, store_t: bool = False,
                    blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
                    late_v: bool | None = None, warp_diagonal: bool = True, tma_loads: bool = True,
-                   tma_stores: bool = True, inverse_only: bool = False, l2norm: bool = False, gate_rows: bool = False):
+                   tma_stores: bool = True, inverse_only: bool = False, l2norm: bool = False, gate_rows: bool = False,
+                   pad_rows: bool = False):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -86,7 +87,13 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     `y = x r` (input dtype, k's formed in place for w's product) and `r` (float32 `[L, H]`)
     written for the passes after it, once per q/k head (by the group's first value head): 0.208
     ms at 4,4096,16,128 bf16 on an H200 against `wy_t` 0.158 + two `l2norm_fwd` passes 0.040
-    each (2026-12-04)."""
+    each (2026-12-04).
+    `pad_rows` (built 2026-12-04 with no GPU lent; experiments until measured): the float32 A / T
+    tile's rows padded by 8 floats, A formed in the registers and stored from them two floats at a
+    time. Unpadded, its 256-byte rows put the eight rows a warp's (one-float) stores span in the
+    same four banks: 8-way conflicts on 32 stores a thread (jla pads so, `SOLVE_PAD`). With
+    `inverse_only` and `l2norm`, `1 / |q|` is formed first, so that q's spent tile can take A's
+    (the padded tile no longer fits in k's at K = 128)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (128 if inverse_only or max(K, V) <= 128 else 256)
@@ -107,6 +114,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     normalise = l2norm and not inverse_only  # (the training forward) y_q, y_k, r_q, r_k written
     assert not normalise or store_t, "l2norm without inverse_only is written for store_t (the training forward)"
     assert not gate_rows or inverse_only, "gate_rows is written for the inverse alone"
+    assert not (pad_rows and tma_t), "a TMA store of T reads its shared tile whole: no padded rows"
+    pad = 8 if pad_rows else 0  # floats after each row of the float32 A / T tile
 
     @T.macro
     def diagonal_columns(m_s, col, o, pp, cc):
@@ -228,12 +237,25 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     split = _hi_lo(BT, dtype, scaled=True)
 
     @T.macro
+    def q_norms(q_s, acc_a, kv_full, qb, rq_s, gr, ic, ihv):
+        # 1 / |q| off the diagonal of Q Q^T: into rq_s (`normalise`) or as row 2 of gr
+        T.barrier_wait(kv_full[qb], 0)
+        T.clear(acc_a)
+        T.gemm(q_s, q_s, acc_a, transpose_B=True)
+        for a, b in T.Parallel(BT, BT):
+            if a == b:
+                if normalise:
+                    rq_s[a] = T.rsqrt(acc_a[a, b] + 1e-6)
+                else:
+                    gr[ic, ihv, 2, a] = T.rsqrt(acc_a[a, b] + 1e-6)
+
+    @T.macro
     def body(k, v, g, beta, w, u, t, qx=None, gr=None, yq=None, yk=None, rq=None, rk=None):
         with T.Kernel(T.ceildiv(L, BT), HV, threads=threads) as (ic, ihv):
             ih = ihv // (HV // H)
             t0 = ic * BT
             k_s = T.alloc_shared((BT, K), dtype)
-            m_s = T.alloc_shared((BT, BT), acc)  # A, turning into T row by row
+            m_s = T.alloc_shared((BT, BT + pad), acc)  # A, turning into T row by row
             hi_s = T.alloc_shared((BT, BT), dtype)
             b_s = T.alloc_shared((BT,), acc)
             acc_a = T.alloc_fragment((BT, BT), acc)
@@ -276,6 +298,10 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 for a in T.Parallel(BT):
                     gr[ic, ihv, 0, a] = gi_s[a]
                     gr[ic, ihv, 1, a] = b_s[a]
+            # (the inverse alone with padded rows: q's norms first, so that A's tile may take q's place too)
+            q_first = l2norm and inverse_only and pad_rows
+            if q_first:
+                q_norms(q_s, acc_a, kv_full, qb, None, gr, ic, ihv)
             if tma_loads:
                 T.barrier_wait(kv_full[0], 0)
             T.clear(acc_a)
@@ -293,18 +319,15 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 if gate_rows:
                     for a in T.Parallel(BT):
                         gr[ic, ihv, 3, a] = r_s[a]
-            for a, b in T.Parallel(BT, BT):
-                m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
-            if l2norm:  # and 1 / |q| off the diagonal of Q Q^T
-                T.barrier_wait(kv_full[qb], 0)
-                T.clear(acc_a)
-                T.gemm(q_s, q_s, acc_a, transpose_B=True)
+            if pad_rows:  # A formed in the registers, then stored from them as they are
                 for a, b in T.Parallel(BT, BT):
-                    if a == b:
-                        if normalise:
-                            rq_s[a] = T.rsqrt(acc_a[a, b] + 1e-6)
-                        else:
-                            gr[ic, ihv, 2, a] = T.rsqrt(acc_a[a, b] + 1e-6)
+                    acc_a[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
+                T.copy(acc_a, m_s[0:BT, 0:BT])
+            else:
+                for a, b in T.Parallel(BT, BT):
+                    m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
+            if l2norm and not q_first:  # and 1 / |q| off the diagonal of Q Q^T
+                q_norms(q_s, acc_a, kv_full, qb, rq_s if normalise else None, gr, ic, ihv)
             if normalise:  # y = x r (k in place, for w's product), stored once per q/k head by TMA
                 # (through registers: in place, TileLang syncs the block at every unrolled step)
                 acc_q = T.alloc_fragment((BT, K), acc)
@@ -384,7 +407,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 else:
                     T.copy(acc_u, u[t0 : t0 + BT, ihv, 0:V])
                 if store_t:  # last, so that waiting for the store holds up nothing else
-                    T.copy(m_s, t[ic, ihv, 0:BT, 0:BT], disable_tma=not tma_t)
+                    T.copy(m_s[0:BT, 0:BT], t[ic, ihv, 0:BT, 0:BT], disable_tma=not tma_t)
 
     if inverse_only and l2norm:
 
