@@ -86,7 +86,20 @@ ROW_FACTORS: Final = (("row_factors", True),)
 # the same banks (8-way conflicts on 32 stores a thread; jla's SOLVE_PAD, which it measured at 30 % of its
 # `kkt_fwd` on an H100). Same bits. Built 2026-12-04 with no GPU lent: experiments until measured.
 PAD_ROWS: Final = (("pad_rows", True),)
+# the inverse alone, writing G and beta as rows of `gr` (and with use_qk_l2norm_in_kernel 1 / |q|, 1 / |k|)
 INV: Final = (("inverse_only", True), ("gate_rows", True))
+INV_L2: Final = (*INV, ("l2norm", True))
+# the training forward's WY kernel from the raw q and k (use_qk_l2norm_in_kernel), storing T
+WY_T_L2: Final = (("store_t", True), ("l2norm", True))
+# the WY kernels that take PAD_ROWS as experiments: (program, outputs, its config)
+_PADDED: Final = (("inv", ("t", "gr"), INV), ("inv_l2", ("t", "gr"), INV_L2), ("wy", ("w", "u"), ()),
+                  ("wy_t_l2", ("w", "u", "t", "yq", "yk", "rq", "rk"), WY_T_L2))
+
+
+def _padded(*names: str) -> tuple["Program", ...]:
+    """The experiments `x_<name>_pad`: the named WY kernels with PAD_ROWS."""
+    return tuple(Program(name=f"x_{name}_pad", of=name, module="delta.wy", builder="chunk_delta_wy", outputs=outputs,
+                         config=(*config, *PAD_ROWS)) for name, outputs, config in _PADDED if name in names)
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -114,7 +127,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # and under a gradient with use_qk_l2norm_in_kernel (at K <= 128) from the raw q and k: r = 1 / |x| read off
         # the diagonals of K K^T and Q Q^T, the normalised y = x r and r written for the passes after it (no `norm`)
         Program(name="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t", "yq", "yk", "rq", "rk"),
-                config=(("store_t", True), ("l2norm", True)), dims=(64, 128)),
+                config=WY_T_L2, dims=(64, 128)),
         Program(name="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"), config=ROW_FACTORS),
         # (at K <= 128 with G as per-chunk rows `[NT, HV, C]`, loaded by TMA with the stage: `G_ROWS`; and
         # warpgroup 0's exp(G_C - G) once per row)
@@ -150,7 +163,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("BV", 32),), dims=(64, 128)),
         # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
         # (and 1 / |q| off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them
-        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, ("l2norm", True))),
+        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=INV_L2),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("transposed", True), ("l2norm", True), ("col_factors", True)),
                 dims=(64, 128)),
@@ -301,16 +314,11 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
         # the A / T tile's rows padded (PAD_ROWS, not yet run)
-        *(Program(name=f"x_{name}_pad", of=name, module="delta.wy", builder="chunk_delta_wy", outputs=outputs, config=(*config, *PAD_ROWS))
-          for name, outputs, config in (("inv", ("t", "gr"), INV), ("inv_l2", ("t", "gr"), (*INV, ("l2norm", True))),
-                                        ("wy", ("w", "u"), ()),
-                                        ("wy_t_l2", ("w", "u", "t", "yq", "yk", "rq", "rk"), (("store_t", True), ("l2norm", True))))),
+        *_padded("inv", "inv_l2", "wy", "wy_t_l2"),
     ),
     # and at K = 64, where the inverse bounds the forward from T0 (`inv_l2` ~0.085 ms against `fused_t_l2` ~0.07 at
     # 8,2048,16,64)
-    ("delta", "fwd", "bf16", 64): tuple(
-        Program(name=f"x_{name}_pad", of=name, module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*config, *PAD_ROWS))
-        for name, config in (("inv", INV), ("inv_l2", (*INV, ("l2norm", True))))),
+    ("delta", "fwd", "bf16", 64): _padded("inv", "inv_l2"),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)
     ("delta", "fwd", "bf16", 256): (

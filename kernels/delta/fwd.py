@@ -348,18 +348,12 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             k_s = T.alloc_shared((stages, BT, K), dtype)
             v_s = T.alloc_shared((stages, BT, BV), dtype)
             t_s = T.alloc_shared((stages, BT, BT), dtype)  # T0, then Ag (written by warpgroup 2)
-            # G, beta and the row factors of l2norm (1 without; functions, since TileLang makes a name bound to an
-            # expression a variable)
-            gr_s = T.alloc_shared((stages, R, BT), acc)
+            gr_s = T.alloc_shared((stages, R, BT), acc)  # G, beta (and the row factors of l2norm)
             gq_s = T.alloc_shared((stages, BT), acc)  # G (+ log 1 / |q|), the output warpgroup's exponent
-            G = lambda slot, x: gr_s[slot, 0, x]
-            Bt = lambda slot, x: gr_s[slot, 1, x]
-            kf = (lambda slot, c: gr_s[slot, 3, c]) if l2norm else (lambda slot, c: 1.0)
-            pf = (lambda slot, a, c: gr_s[slot, 2, a] * gr_s[slot, 3, c]) if l2norm else (lambda slot, a, c: 1.0)
-            # warpgroup 0's column factors (transposed; row factors with S): exp(G) / |k| and exp(G_C - G) / |k|,
-            # per element or, with col_factors, read from the fragments fe, fd it fills once per chunk
-            grow = lambda slot, c: T.exp(G(slot, c)) * kf(slot, c)
-            decay = lambda slot, c: T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c)
+            G, Bt, qf, kf, grow, decay = _gr_rows(gr_s, l2norm)
+            pf = lambda slot, a, c: qf(slot, a) * kf(slot, c)
+            # warpgroup 0's column factors (transposed; row factors with S) per element or, with col_factors,
+            # read from the fragments fe, fd it fills once per chunk
             col_e, col_d = ((lambda slot, c: fe[c]), (lambda slot, c: fd[c])) if col_factors else (grow, decay)
             h_s0 = T.alloc_shared(st, dtype)
             h_s1 = T.alloc_shared(st, dtype)
@@ -396,19 +390,13 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(3):
-                stage_loads(_t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv) + ((lambda c: gr[c, ihv, 0:R, 0:BT], gr_s, True),),
-                            full, free, nc, stages, c0, 1)
+                stage_loads(_t_loads(q, k, v, t, gr, q_s, k_s, v_s, t_s, gr_s, ih, ihv, iv), full, free, nc, stages, c0, 1)
             with T.ws(2):
                 T.set_max_nreg(136, 1)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
-                    T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers
-                    for r, c in T.Parallel(BT, BT):
-                        acc_d[r, c] = T.if_then_else(r >= c, T.exp(G(slot, r) - G(slot, c)), 0.0)
-                    for r, c in T.Parallel(BT, BT):
-                        acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * Bt(slot, c)
-                    T.copy(acc_s, t_s[slot, :, :])
+                    _ag_in_place(t_s, acc_s, acc_d, G, Bt, slot)
                     if decay_k:
                         for r, c in T.Parallel(BT, K):
                             kd_s[slot, r, c] = T.cast(T.cast(k_s[slot, r, c], acc) * T.exp(G(slot, BT - 1) - G(slot, r)), dtype)
@@ -560,18 +548,12 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
             h_free = T.alloc_barrier([128])  # and read by warpgroup 1
             v_ready = T.alloc_barrier([128])  # v_new^T published
             v_free = T.alloc_barrier([128])
-            G = lambda slot, x: gr_s[slot, 0, x]
-            Bt = lambda slot, x: gr_s[slot, 1, x]
-            qf = (lambda slot, a: gr_s[slot, 2, a]) if l2norm else (lambda slot, a: 1.0)
-            kf = (lambda slot, c: gr_s[slot, 3, c]) if l2norm else (lambda slot, c: 1.0)
-            grow = lambda slot, c: T.exp(G(slot, c)) * kf(slot, c)
-            decay = lambda slot, c: T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c)
+            G, Bt, qf, kf, grow, decay = _gr_rows(gr_s, l2norm)
             col_e, col_d = ((lambda slot, c: fe[c]), (lambda slot, c: fd[c])) if col_factors else (grow, decay)
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
-                loads = _t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv) + ((lambda c: gr[c, ihv, 0:R, 0:BT], gr_s, True),)
-                stage_loads(loads, full, free, nc, stages, c0, 1)
+                stage_loads(_t_loads(q, k, v, t, gr, q_s, k_s, v_s, t_s, gr_s, ih, ihv, iv), full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
                 for r, c in T.Parallel(BV, K):
@@ -614,12 +596,7 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                     slot = i % stages
                     t0 = (c0 + i) * BT
                     T.barrier_wait(full[slot], (i // stages) % 2)
-                    T.copy(t_s[slot, :, :], acc_s)  # Ag in place of T0, through registers
-                    for r, c in T.Parallel(BT, BT):
-                        acc_d[r, c] = T.if_then_else(r >= c, T.exp(G(slot, r) - G(slot, c)), 0.0)
-                    for r, c in T.Parallel(BT, BT):
-                        acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * Bt(slot, c)
-                    T.copy(acc_s, t_s[slot, :, :])
+                    _ag_in_place(t_s, acc_s, acc_d, G, Bt, slot)
                     T.fence_proxy_async()
                     T.barrier_arrive(ag_ready[slot])
                     T.clear(acc_s)
@@ -644,14 +621,43 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
     return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
 
 
-def _t_loads(q, k, v, t, q_s, k_s, v_s, t_s, ih, ihv, iv):
-    """`stage_loads`' list for the passes from the inverse: q, k (head `ih`), the V block `iv` of v
-    and T0 by TMA (the gates follow)."""
+def _t_loads(q, k, v, t, gr, q_s, k_s, v_s, t_s, gr_s, ih, ihv, iv):
+    """`stage_loads`' list for the passes from the inverse: q, k (head `ih`), the V block `iv` of v,
+    T0 and the chunk's rows of `gr` (value head `ihv`), all by TMA."""
     BT, K = (int(d) for d in q_s.shape[1:])
     BV = int(v_s.shape[2])
+    R = int(gr_s.shape[1])
     rows = lambda c: slice(c * BT, c * BT + BT)
     return ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
-            (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True))
+            (lambda c: v[rows(c), ihv, iv * BV : (iv + 1) * BV], v_s, True), (lambda c: t[c, ihv, 0:BT, 0:BT], t_s, True),
+            (lambda c: gr[c, ihv, 0:R, 0:BT], gr_s, True))
+
+
+def _gr_rows(gr_s, l2norm: bool):
+    """Accessors `(slot, index)` of a stage's rows of `gr` (functions, since TileLang makes a name
+    bound to an expression a variable): G, beta, `1 / |q|` and `1 / |k|` (1 without `l2norm`), and
+    warpgroup 0's factors `exp(G) / |k|` and `exp(G_C - G) / |k|`."""
+    BT = int(gr_s.shape[2])
+    G = lambda slot, x: gr_s[slot, 0, x]
+    Bt = lambda slot, x: gr_s[slot, 1, x]
+    qf = (lambda slot, a: gr_s[slot, 2, a]) if l2norm else (lambda slot, a: 1.0)
+    kf = (lambda slot, c: gr_s[slot, 3, c]) if l2norm else (lambda slot, c: 1.0)
+    grow = lambda slot, c: T.exp(G(slot, c)) * kf(slot, c)
+    decay = lambda slot, c: T.exp(G(slot, BT - 1) - G(slot, c)) * kf(slot, c)
+    return G, Bt, qf, kf, grow, decay
+
+
+@T.macro
+def _ag_in_place(t_s, acc_s, acc_d, G, Bt, slot):
+    """The stage's T0 turned into `Ag = T0 * exp(G_i - G_j) * beta_j` in place, through the
+    registers, with the chunk's decay matrix left in `acc_d` (P takes it too)."""
+    BT = int(acc_s.shape[0])
+    T.copy(t_s[slot, :, :], acc_s)
+    for r, c in T.Parallel(BT, BT):
+        acc_d[r, c] = T.if_then_else(r >= c, T.exp(G(slot, r) - G(slot, c)), 0.0)
+    for r, c in T.Parallel(BT, BT):
+        acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * Bt(slot, c)
+    T.copy(acc_s, t_s[slot, :, :])
 
 
 def _t_prim_func(body, *, K: int, V: int, dtype: str, BT: int, R: int, dims):

@@ -319,13 +319,15 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 if gate_rows:
                     for a in T.Parallel(BT):
                         gr[ic, ihv, 3, a] = r_s[a]
+            # A below the diagonal (from K K^T in acc_a), 1 on it
+            a_entry = lambda a, b: T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
             if pad_rows:  # A formed in the registers, then stored from them as they are
                 for a, b in T.Parallel(BT, BT):
-                    acc_a[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
+                    acc_a[a, b] = a_entry(a, b)
                 T.copy(acc_a, m_s[0:BT, 0:BT])
             else:
                 for a, b in T.Parallel(BT, BT):
-                    m_s[a, b] = T.if_then_else(a > b, acc_a[a, b] * b_s[a] * decay(a, b), T.if_then_else(a == b, 1.0, 0.0))
+                    m_s[a, b] = a_entry(a, b)
             if l2norm and not q_first:  # and 1 / |q| off the diagonal of Q Q^T
                 q_norms(q_s, acc_a, kv_full, qb, rq_s if normalise else None, gr, ic, ihv)
             if normalise:  # y = x r (k in place, for w's product), stored once per q/k head by TMA
