@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Twenty-first session (2026-12-04, no GPU lent): K = 256's forward from
-# T0, `chunk_delta_fwd_t_wide` (`fused_t`, `fused_t_l2` at K = 256, with `inv` / `inv_l2` writing
-# `gr` there too), run by the GPU tests' K = 256 cases under DELTA_FWD_INVERSE = all, timed beside
-# `wy` + `fused` (+ `norm`: XLA's pass stands where the forward from w and u normalises); BENCH=1
-# times GDN with K = 256 in DELTA_FWD_INVERSE and without. Then (PROGS2 at SHAPES2) the WY kernels'
-# A / T tile with padded rows (`x_*_pad`, PAD_ROWS) beside the dispatched inverse and WY kernels at
-# K = 128 and 64. OLD=dir copies in a previous build's cubins as old_*.
+# session for what is owed). Twenty-second session (2026-12-05): the WY kernels' padded A / T tile
+# made the default (`chunk_delta_wy(pad_rows=None)`: padded but with `tma_t`) and DELTA_FWD_INVERSE
+# naming K = 256: the delta rules' GPU tests, the WY kernels at K = 256 (and `wy_t` at 128, the one
+# dispatched WY kernel not timed padded as an experiment) beside the previous build's cubins (OLD=dir,
+# copied in as old_*), then BENCH=1 the GDN op beside jla at the issue's shapes.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -20,16 +18,19 @@
 set -u
 g=build/gen
 d=fla_delta_fwd_bf16
-progs=(${d}_k256_v256_c64_inv_l2 ${d}_k256_v256_c64_fused_t_l2 ${d}_k256_v256_c64_inv ${d}_k256_v256_c64_fused_t ${d}_k256_v256_c64_wy
-       ${d}_k256_v256_c64_fused ${d}_k256_v256_c64_norm)
+progs=()
+for t in inv_l2 inv wy wy_t; do progs+=(${d}_k256_v256_c64_$t old_${d}_k256_v256_c64_$t); done
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
-progs2=()
-for k in k128_v128 k64_v64; do for t in inv_l2 x_inv_l2_pad inv x_inv_pad; do progs2+=(${d}_${k}_c64_$t); done; done
-progs2+=(${d}_k128_v128_c64_wy_t_l2 ${d}_k128_v128_c64_x_wy_t_l2_pad ${d}_k128_v128_c64_wy ${d}_k128_v128_c64_x_wy_pad)
+progs2=(${d}_k128_v128_c64_wy_t old_${d}_k128_v128_c64_wy_t fla_delta_bwd_bf16_k128_v128_c64_wy_bwd_l2)
 if [ -n "${PROGS2+x}" ]; then progs2=($PROGS2); fi  # (PROGS2="" times none)
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
-  for t in "${progs[@]}" "${progs2[@]}"; do cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ 2>/dev/null || cp "${OLD:-/nonexistent}/$t".* .prof/gen/ || exit 1; done
+  for t in "${progs[@]}" "${progs2[@]}"; do
+    case $t in
+      old_*) cp "${OLD:-/nonexistent}/${t#old_}.cubin" ".prof/gen/$t.cubin" && cp "$OLD/${t#old_}.json" ".prof/gen/$t.json" || exit 1;;
+      *) cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ || exit 1;;
+    esac
+  done
   exit 0
 fi
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -37,14 +38,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-forward_from_the_inverse or l2norm or pad}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-delta and not fla}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
-for s in ${SHAPES:-4x4096x8x256 2x8192x8x256}; do
+for s in ${SHAPES:-4x4096x8x256}; do
   timeout 100 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --inner 10 --rounds 5 --reps 6 "${progs[@]}" 2>&1 | grep -v "^#"
 done | tee "$O/times.txt"
 if [ ${#progs2[@]} -gt 0 ]; then
-  for s in ${SHAPES2:-4x4096x16x128 8x2048x16x64}; do
+  for s in ${SHAPES2:-4x4096x16x128}; do
     timeout 100 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --inner 10 --rounds 5 --reps 6 "${progs2[@]}" 2>&1 | grep -v "^#"
   done | tee "$O/times2.txt"
 fi

@@ -61,15 +61,14 @@ DELTA_WY_BWD_KERNEL = True
 # and u at 4,4096,16,128 / 2,8192,16,128 / 4,4096,8,256 / 8,2048,16,64 bf16 (H200, 2026-12-03;
 # kernels inv + fused_t 0.108 + 0.221 against wy + fused 0.191 + 0.192 at the first); since
 # 2026-12-04 (fused_t carrying S^T, inv's loads 16 bytes wide) 0.328 / 0.446 / 0.495 / 0.214, kernels
-# inv + fused_t 0.078 + 0.159 at the first (ten launches a sample). The head dims it is taken at: at
-# K = 256, where `fused_t` keeps one load stage, the WY path is the faster since its state pass keeps
-# two (one buffer each of q and w): wy + fused 0.119 + 0.215 against inv + fused_t 0.052 + 0.359 ms
-# at 4,4096,8,256, 0.116 + 0.398 against 0.051 + 0.658 at 2,8192,8,256 (H200, 2026-12-04). K = 256's
-# `fused_t` has since been rebuilt as `chunk_delta_fwd_t_wide` (two load stages, single published
-# tiles: jla's `fused_fwd_kb`), with `inv` / `inv_l2` writing `gr` there too; built, not yet run on a
-# GPU (2026-12-04), so 256 stays out until it is measured. Tests run both paths at every K (all of
-# `HEAD_DIMS`, and none).
-DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128)
+# inv + fused_t 0.078 + 0.159 at the first (ten launches a sample). At K = 256 since 2026-12-05 too,
+# where `fused_t` is `chunk_delta_fwd_t_wide` (two load stages, single published tiles: jla's
+# `fused_fwd_kb`): inv_l2 + fused_t_l2 0.072 + 0.190 against norm x 2 + wy + fused 0.087 + 0.117 +
+# 0.200 ms at 4,4096,8,256, 0.072 + 0.364 against 0.088 + 0.120 + 0.371 at 2,8192,8,256; GDN op
+# forward 0.298 against 0.410 (jla 0.299; bf16, H200). (Its one-stage predecessor lost to the WY
+# path there: inv + fused_t 0.052 + 0.359 against wy + fused 0.119 + 0.215, 2026-12-04.) Tests run
+# both paths at every K (all of `HEAD_DIMS`, and none).
+DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128, 256)
 
 # The forward from the inverse where few sequences and heads leave SMs idle: where its state pass's
 # programs (one per V block of 64, sequence and value head) number at most half this (the H200's

@@ -81,25 +81,11 @@ G_ROWS: Final = (("g_rows", True),)
 # G_ROWS alone), 0.309 -> 0.257 at 2,8192,16,128; at K = 256 `fused` 0.436 -> 0.400, `fused_h` 0.464 -> 0.451;
 # simple GLA's `fused` 0.101 -> 0.095 (bf16, H200, 2026-12-04, ten launches a sample, old and new in one call)
 ROW_FACTORS: Final = (("row_factors", True),)
-# the WY kernels' float32 A / T tile with its rows padded by 8 floats, A stored from the registers two floats at a
-# time (`chunk_delta_wy(pad_rows=True)`): at the unpadded 256-byte rows the eight rows a warp's store spans fall in
-# the same banks (8-way conflicts on 32 stores a thread; jla's SOLVE_PAD, which it measured at 30 % of its
-# `kkt_fwd` on an H100). Same bits. Built 2026-12-04 with no GPU lent: experiments until measured.
-PAD_ROWS: Final = (("pad_rows", True),)
 # the inverse alone, writing G and beta as rows of `gr` (and with use_qk_l2norm_in_kernel 1 / |q|, 1 / |k|)
 INV: Final = (("inverse_only", True), ("gate_rows", True))
 INV_L2: Final = (*INV, ("l2norm", True))
 # the training forward's WY kernel from the raw q and k (use_qk_l2norm_in_kernel), storing T
 WY_T_L2: Final = (("store_t", True), ("l2norm", True))
-# the WY kernels that take PAD_ROWS as experiments: (program, outputs, its config)
-_PADDED: Final = (("inv", ("t", "gr"), INV), ("inv_l2", ("t", "gr"), INV_L2), ("wy", ("w", "u"), ()),
-                  ("wy_t_l2", ("w", "u", "t", "yq", "yk", "rq", "rk"), WY_T_L2))
-
-
-def _padded(*names: str) -> tuple["Program", ...]:
-    """The experiments `x_<name>_pad`: the named WY kernels with PAD_ROWS."""
-    return tuple(Program(name=f"x_{name}_pad", of=name, module="delta.wy", builder="chunk_delta_wy", outputs=outputs,
-                         config=(*config, *PAD_ROWS)) for name, outputs, config in _PADDED if name in names)
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -313,12 +299,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # stages, one P tile each, 0.160 / 0.274 against 0.1595 / 0.265, 2026-12-04.)
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
-        # the A / T tile's rows padded (PAD_ROWS, not yet run)
-        *_padded("inv", "inv_l2", "wy", "wy_t_l2"),
     ),
-    # and at K = 64, where the inverse bounds the forward from T0 (`inv_l2` ~0.085 ms against `fused_t_l2` ~0.07 at
-    # 8,2048,16,64)
-    ("delta", "fwd", "bf16", 64): _padded("inv", "inv_l2"),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)
     ("delta", "fwd", "bf16", 256): (
@@ -388,6 +369,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("dvb_once", True),)),
         # T in a float32 shared tile (dispatched before t_regs; one program per SM)
         Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
+        # (Two warpgroups a program, `wy_bwd_l2` with threads=256: each GEMM's columns split between them, 99.8 KB
+        # of shared memory either way, two programs per SM: 0.327 against 0.305 ms at 4,4096,16,128 bf16, H200,
+        # 2026-12-05, the same values within 3.2e-7: not kept.)
         # the consumer without warp specialization, one stage (as dispatched at K = 64): 0.448 / 0.448 ms
         # against 0.425 / 0.426 at 4,4096,16,128 / 2,8192,16,128 (simple GLA 0.470 / 0.474 against
         # 0.427 / 0.411; bf16, H200, 2026-12-03), not kept

@@ -299,12 +299,13 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         k = unit(k) if op == "delta" else k
         dv = () if op == "delta" else (like(v),)  # (the delta rules' reverse pass stores it)
         return (like(q), like(k), *dv, like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
-    if op == "delta" and name == "wy_bwd":  # T from the forward's program on its inputs, as the backward gets it
+    if op == "delta" and name in ("wy_bwd", "wy_bwd_l2"):  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
         t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
-        return (like(k), like(v), like(G), like(G)), (k, v, G, beta, t, h, du, dk0), {}
+        rk = (jnp.asarray(rng.uniform(0.5, 2.0, size=(L, H)), jnp.float32),) if name == "wy_bwd_l2" else ()  # 1 / |k| of the raw k
+        return (like(k), like(v), like(G), like(G)), (k, v, G, beta, t, h, du, dk0, *rk), {}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")
 
 

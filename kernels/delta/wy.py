@@ -41,7 +41,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                    blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
                    late_v: bool | None = None, warp_diagonal: bool = True, tma_loads: bool = True,
                    tma_stores: bool = True, inverse_only: bool = False, l2norm: bool = False, gate_rows: bool = False,
-                   pad_rows: bool = False):
+                   pad_rows: bool | None = None):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -88,12 +88,15 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     written for the passes after it, once per q/k head (by the group's first value head): 0.208
     ms at 4,4096,16,128 bf16 on an H200 against `wy_t` 0.158 + two `l2norm_fwd` passes 0.040
     each (2026-12-04).
-    `pad_rows` (built 2026-12-04 with no GPU lent; experiments until measured): the float32 A / T
-    tile's rows padded by 8 floats, A formed in the registers and stored from them two floats at a
-    time. Unpadded, its 256-byte rows put the eight rows a warp's (one-float) stores span in the
-    same four banks: 8-way conflicts on 32 stores a thread (jla pads so, `SOLVE_PAD`). With
-    `inverse_only` and `l2norm`, `1 / |q|` is formed first, so that q's spent tile can take A's
-    (the padded tile no longer fits in k's at K = 128)."""
+    `pad_rows` (the default but with `tma_t`): the float32 A / T tile's rows padded by 8 floats, A
+    formed in the registers and stored from them two floats at a time. Unpadded, its 256-byte rows
+    put the eight rows a warp's (one-float) stores span in the same four banks: 8-way conflicts on
+    32 stores a thread (jla pads so, `SOLVE_PAD`). With `inverse_only` and `l2norm`, `1 / |q|` is
+    formed first, so that q's spent tile can take A's (the padded tile no longer fits in k's at
+    K = 128). The same bits; `inv` 0.068 against 0.081 ms, `inv_l2` 0.085 against 0.097, `wy`
+    0.135 against 0.147, `wy_t_l2` 0.207 against 0.210 at 4,4096,16,128, at K = 64 `inv` 0.064
+    against 0.076, `inv_l2` 0.084 against 0.090 at 8,2048,16,64 (bf16, H200, 2026-12-05, ten
+    launches a sample, interleaved)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (128 if inverse_only or max(K, V) <= 128 else 256)
@@ -114,6 +117,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     normalise = l2norm and not inverse_only  # (the training forward) y_q, y_k, r_q, r_k written
     assert not normalise or store_t, "l2norm without inverse_only is written for store_t (the training forward)"
     assert not gate_rows or inverse_only, "gate_rows is written for the inverse alone"
+    pad_rows = not tma_t if pad_rows is None else pad_rows
     assert not (pad_rows and tma_t), "a TMA store of T reads its shared tile whole: no padded rows"
     pad = 8 if pad_rows else 0  # floats after each row of the float32 A / T tile
 
