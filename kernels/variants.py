@@ -86,6 +86,8 @@ INV: Final = (("inverse_only", True), ("gate_rows", True))
 INV_L2: Final = (*INV, ("l2norm", True))
 # the training forward's WY kernel from the raw q and k (use_qk_l2norm_in_kernel), storing T
 WY_T_L2: Final = (("store_t", True), ("l2norm", True))
+# the inverse alone held to the registers that let more programs share an SM (`min_blocks`; experiments)
+MB8: Final = (("min_blocks", 8),)
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -299,6 +301,15 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # stages, one P tile each, 0.160 / 0.274 against 0.1595 / 0.265, 2026-12-04.)
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
+        # the inverse at six and eight programs an SM (shared memory 33.3 and 26.6 KB), not yet run
+        Program(name="x_inv_l2_mb6", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
+                config=(*INV_L2, ("min_blocks", 6))),
+        Program(name="x_inv_mb8", of="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, *MB8)),
+    ),
+    ("delta", "fwd", "bf16", 64): (
+        Program(name="x_inv_l2_mb8", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
+                config=(*INV_L2, *MB8)),
+        Program(name="x_inv_mb8", of="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, *MB8)),
     ),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)

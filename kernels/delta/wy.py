@@ -41,7 +41,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                    blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
                    late_v: bool | None = None, warp_diagonal: bool = True, tma_loads: bool = True,
                    tma_stores: bool = True, inverse_only: bool = False, l2norm: bool = False, gate_rows: bool = False,
-                   pad_rows: bool | None = None):
+                   pad_rows: bool | None = None, min_blocks: int = 0):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -96,7 +96,11 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     K = 128). The same bits; `inv` 0.068 against 0.081 ms, `inv_l2` 0.085 against 0.097, `wy`
     0.135 against 0.147, `wy_t_l2` 0.207 against 0.210 at 4,4096,16,128, at K = 64 `inv` 0.064
     against 0.076, `inv_l2` 0.084 against 0.090 at 8,2048,16,64 (bf16, H200, 2026-12-05, ten
-    launches a sample, interleaved)."""
+    launches a sample, interleaved).
+    `min_blocks`: `__launch_bounds__`' programs a multiprocessor (ptxas keeps the registers to that
+    many; 0: TileLang's default, 1). The inverse alone takes 96 registers a thread, five programs an
+    SM, where its shared memory would fit eight (K = 64, 26.6 KB) or six (`inv_l2` at K = 128,
+    33.3 KB); at 64 / 80 registers ptxas spills 32 / 52 bytes."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (128 if inverse_only or max(K, V) <= 128 else 256)
@@ -256,6 +260,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     @T.macro
     def body(k, v, g, beta, w, u, t, qx=None, gr=None, yq=None, yk=None, rq=None, rk=None):
         with T.Kernel(T.ceildiv(L, BT), HV, threads=threads) as (ic, ihv):
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             ih = ihv // (HV // H)
             t0 = ic * BT
             k_s = T.alloc_shared((BT, K), dtype)
