@@ -5,7 +5,7 @@
 # naming K = 256: the delta rules' GPU tests, the WY kernels at K = 256 (and `wy_t` at 128, the one
 # dispatched WY kernel not timed padded as an experiment) beside the previous build's cubins (OLD=dir,
 # copied in as old_*), the inverse held to fewer registers (`x_inv*_mb*`, more programs an SM) beside
-# the dispatched one, Nsight Compute of `wy_bwd_l2` (NCU=target), then BENCH=1 the GDN op beside jla
+# the dispatched one, the reverse pass with A^T do's tile padded (`x_dh_pad`), Nsight Compute of `wy_bwd_l2` (NCU=target), then BENCH=1 the GDN op beside jla
 # at the issue's shapes.
 # Two halves:
 #
@@ -24,6 +24,7 @@ progs=()
 for t in inv_l2 inv wy wy_t; do progs+=(${d}_k256_v256_c64_$t old_${d}_k256_v256_c64_$t); done
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
 progs2=(${d}_k128_v128_c64_wy_t old_${d}_k128_v128_c64_wy_t fla_delta_bwd_bf16_k128_v128_c64_wy_bwd_l2)
+for k in k128_v128 k64_v64; do progs2+=(fla_delta_bwd_bf16_${k}_c64_dh fla_delta_bwd_bf16_${k}_c64_x_dh_pad); done
 for k in k128_v128 k64_v64; do
   mb=$([ $k = k64_v64 ] && echo 8 || echo 6)
   progs2+=(${d}_${k}_c64_inv_l2 ${d}_${k}_c64_x_inv_l2_mb$mb ${d}_${k}_c64_inv ${d}_${k}_c64_x_inv_mb8)

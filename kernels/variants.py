@@ -372,6 +372,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # warpgroup 1 rescaling k and q in place element by element (dispatched before 2026-12-04)
         Program(name="x_dh_prev", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"),
                 config=(*DU, *G_ROWS, ("row_factors", False))),
+        # A^T do's float32 tile with rows padded by 8 floats (4-way bank conflicts gone; not yet run)
+        Program(name="x_dh_pad", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"),
+                config=(*DU, *G_ROWS, ("pad_adv", True))),
         Program(name="x_wy_bwd_sync", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("tma_loads", False), ("tma_stores", False))),
         # dvb = T^T du formed once: 0.442 / 0.441 ms against 0.457 / 0.429 at 4,4096,16,128 / 2,8192,16,128
@@ -399,6 +402,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
     ("delta", "bwd", "bf16", 64): (
+        Program(name="x_dh_pad", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"),
+                config=(*DU, *G_ROWS, ("pad_adv", True))),
         # the WY VJP with T in a float32 shared tile (dispatched before t_regs)
         Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),

@@ -142,7 +142,7 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
 
 
 def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, row_factors: bool = True,
-                       store_du: bool = False, g_rows: bool = False):
+                       store_du: bool = False, g_rows: bool = False, pad_adv: bool = False):
     """The reverse pass, warp-specialized as the forward's (`kernels/delta/fwd.py`): three
     warpgroups per (V block, sequence * value head) program, K <= 128 (at K = 256 two stages would
     not fit in shared memory: `chunk_delta_bwd_dh_1wg` there).
@@ -168,7 +168,12 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
     it again (`chunk_bwd_dqkvg(no_dv=True)`).
 
     `g_rows`: G as per-chunk rows `[NT, HV, BT]`, loaded by TMA with the stage (as
-    `chunk_delta_fwd(g_rows=True)`)."""
+    `chunk_delta_fwd(g_rows=True)`).
+
+    `pad_adv`: `adv_s`'s float32 rows padded by 8 floats. Unpadded, the accumulator layout's
+    two-float stores (warpgroup 1) and loads (warpgroup 0, on the chain) put the eight rows a warp
+    spans, 256 bytes apart, in the same eight banks: 4-way conflicts; padded, a warp's access
+    takes the two wavefronts its 256 bytes need."""
     assert K <= 128, "K = 256: chunk_delta_bwd_dh_1wg"
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
@@ -184,7 +189,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
             w_s = T.alloc_shared((stages, BT, K), dtype)
             do_s = T.alloc_shared((stages, BT, BV), dtype)
             g_s = T.alloc_shared((stages, BT), acc)
-            adv_s = T.alloc_shared((stages, BT, BV), acc)
+            adv_s = T.alloc_shared((stages, BT, BV + (8 if pad_adv else 0)), acc)
             if row_factors:
                 fk_s = T.alloc_shared((BT,), acc)  # exp(G_C - G), exp(G) of the chunk's rows
                 fq_s = T.alloc_shared((BT,), acc)
@@ -232,7 +237,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                             q_s[slot, a, b] = T.cast(T.cast(q_s[slot, a, b], acc) * T.exp(g_s[slot, a]) * scale, dtype)
                     T.clear(acc_adv)
                     T.gemm(a_s, do_s[slot, :, :], acc_adv, transpose_A=True)
-                    T.copy(acc_adv, adv_s[slot, :, :])
+                    T.copy(acc_adv, adv_s[slot, :, 0:BV])
                     T.fence_proxy_async()
                     T.barrier_arrive(ready[slot])
             with T.ws(0):
@@ -249,7 +254,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                     T.sync_threads(8, 128)
                     T.tma_copy(dh_s, dh[c1 - i, ihv, 0:K, iv * BV : (iv + 1) * BV])
                     # dv_new = A^T do + kd dS
-                    T.copy(adv_s[slot, :, :], acc_dv)
+                    T.copy(adv_s[slot, :, 0:BV], acc_dv)
                     T.gemm(k_s[slot, :, :], dh_s, acc_dv)
                     for a, b in T.Parallel(BT, BV):
                         dv_s[a, b] = T.cast(-acc_dv[a, b], dtype)
