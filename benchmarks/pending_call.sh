@@ -5,8 +5,8 @@
 # naming K = 256: the delta rules' GPU tests, the WY kernels at K = 256 (and `wy_t` at 128, the one
 # dispatched WY kernel not timed padded as an experiment) beside the previous build's cubins (OLD=dir,
 # copied in as old_*), the inverse held to fewer registers (`x_inv*_mb*`, more programs an SM) beside
-# the dispatched one, the reverse pass with A^T do's tile padded (`x_dh_pad`), Nsight Compute of `wy_bwd_l2` (NCU=target), then BENCH=1 the GDN op beside jla
-# at the issue's shapes.
+# the dispatched one, the reverse pass with A^T do's tile padded (`x_dh_pad`), Nsight Compute of `wy_bwd_l2` (NCU=target),
+# the forwards' kernels and XLA glue (PROFILE="op:shape ..."), then BENCH=1 the GDN op beside jla at the issue's shapes.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -45,7 +45,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-delta and not fla}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-(experimental and (x_inv or x_dh_pad)) or forward_from_the_inverse or (delta and matches_float64)}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
 for s in ${SHAPES:-4x4096x8x256}; do
@@ -67,6 +67,12 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute of the named programs at 4,4096,16,
     python3 benchmarks/ncu_program.py --stalls /tmp/ncu/$t.csv > "$O/stalls_$t.txt" 2>&1; head -12 "$O/stalls_$t.txt"
   done
   tar czf "$O/ncu.tgz" -C /tmp ncu
+  echo "t=${SECONDS}"
+fi
+if [ -n "${PROFILE:-}" ]; then  # the forward's kernels by name, ours and XLA's glue (PROFILE="op:BxTxHxD ...")
+  for p in $PROFILE; do
+    timeout 60 python3 benchmarks/profile_op.py --fwd --op ${p%%:*} --shape ${p#*:} 2>&1 | grep -v "lines:" | tail -12 | tee -a "$O/profile.txt"
+  done
   echo "t=${SECONDS}"
 fi
 if [ -n "${BENCH:-}" ]; then
