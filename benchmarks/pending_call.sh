@@ -5,7 +5,8 @@
 # naming K = 256: the delta rules' GPU tests, the WY kernels at K = 256 (and `wy_t` at 128, the one
 # dispatched WY kernel not timed padded as an experiment) beside the previous build's cubins (OLD=dir,
 # copied in as old_*), the inverse held to fewer registers (`x_inv*_mb*`, more programs an SM) beside
-# the dispatched one, the reverse pass with A^T do's tile padded (`x_dh_pad`), Nsight Compute of `wy_bwd_l2` (NCU=target),
+# the dispatched one, the reverse pass with A^T do's tile padded (`x_dh_pad`), the WY VJP's
+# products issued in groups (`x_wy_bwd_l2_batched`), Nsight Compute of `wy_bwd_l2` (NCU=target),
 # the forwards' kernels and XLA glue (PROFILE="op:shape ..."), then BENCH=1 the GDN op beside jla at the issue's shapes.
 # Two halves:
 #
@@ -23,7 +24,8 @@ d=fla_delta_fwd_bf16
 progs=()
 for t in inv_l2 inv wy wy_t; do progs+=(${d}_k256_v256_c64_$t old_${d}_k256_v256_c64_$t); done
 if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
-progs2=(${d}_k128_v128_c64_wy_t old_${d}_k128_v128_c64_wy_t fla_delta_bwd_bf16_k128_v128_c64_wy_bwd_l2)
+progs2=(${d}_k128_v128_c64_wy_t old_${d}_k128_v128_c64_wy_t fla_delta_bwd_bf16_k128_v128_c64_wy_bwd_l2
+        fla_delta_bwd_bf16_k128_v128_c64_x_wy_bwd_l2_batched)
 for k in k128_v128 k64_v64; do progs2+=(fla_delta_bwd_bf16_${k}_c64_dh fla_delta_bwd_bf16_${k}_c64_x_dh_pad); done
 for k in k128_v128 k64_v64; do
   mb=$([ $k = k64_v64 ] && echo 8 || echo 6)
@@ -45,7 +47,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-(experimental and (x_inv or x_dh_pad)) or forward_from_the_inverse or (delta and matches_float64)}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-(experimental and (x_inv or x_dh_pad or batched)) or forward_from_the_inverse or (delta and matches_float64)}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
 for s in ${SHAPES:-4x4096x8x256}; do

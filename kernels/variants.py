@@ -383,6 +383,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("dvb_once", True),)),
         # T in a float32 shared tile (dispatched before t_regs; one program per SM)
         Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
+        # each step's independent products issued as one group, one wait for all (not yet run)
+        Program(name="x_wy_bwd_l2_batched", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("batched", True))),
         # (Two warpgroups a program, `wy_bwd_l2` with threads=256: each GEMM's columns split between them, 99.8 KB
         # of shared memory either way, two programs per SM: 0.327 against 0.305 ms at 4,4096,16,128 bf16, H200,
         # 2026-12-05, the same values within 3.2e-7: not kept.)

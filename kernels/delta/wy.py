@@ -513,7 +513,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
                        tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False, t_regs: bool = False,
-                       l2norm: bool = False):
+                       l2norm: bool = False, batched: bool = False):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -544,12 +544,28 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     G, beta and r are loaded by each thread before dw's product (after it before 2026-12-04), so
     that their latency runs beside the TMA loads': `wy_bwd_l2` 0.304 against 0.316 ms at
     4,4096,16,128 bf16 on an H200 (`wy_bwd` 0.286 either way). (The chunk's whole h in one load and
-    dw in one product, `BVH = V`, measured 0.288 against 0.285 ms: not kept.)"""
+    dw in one product, `BVH = V`, measured 0.288 against 0.285 ms: not kept.)
+    `batched` (K <= 128, `t_regs`): the independent products of a step issued as one group of
+    tensor-core operations with one wait for all (jla's `_products`) instead of a wait after each:
+    `dw k^T` with `du v^T`; X's three; dA's three with `K K^T`; dvb's two; dkb's two; dk's four
+    (21 waits become 8); the same values."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
+    assert not batched or (t_regs and threads == 128), "batched is written for t_regs, one warpgroup"
 
     split = _hi_lo(BT, dtype, scaled=False)
+
+    def mm(a, b, c, *, transpose_A=False, transpose_B=False, wait=True):
+        """`T.gemm`; with `batched` and not `wait`, issued with no wait (a later product of the
+        group waits for all: `fence` its accumulator then)."""
+        if batched and not wait:
+            return T.gemm(a, b, c, transpose_A=transpose_A, transpose_B=transpose_B, annotations={"wg_wait": -1})
+        return T.gemm(a, b, c, transpose_A=transpose_A, transpose_B=transpose_B)
+
+    def fence(c):
+        """After a group's wait: the accumulator of a product issued with no wait is read only now."""
+        return T.warpgroup_fence_operand(c, num_regs=BT * BT // threads) if batched else None
 
     @T.macro
     def body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta):
@@ -630,25 +646,33 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 split(t_s, None, th_s, tl_s)
             # dT = (dw k^T) Diag(s) + (du v^T) Diag(beta), exact products
             T.clear(acc_c)
-            T.gemm(dw_s, k_s, acc_c, transpose_B=True)
-            T.clear(acc_c2)
-            T.gemm(du_s, v_s, acc_c2, transpose_B=True)
+            if batched:
+                T.clear(acc_c2)
+            mm(dw_s, k_s, acc_c, transpose_B=True, wait=False)
+            if not batched:
+                T.clear(acc_c2)
+            mm(du_s, v_s, acc_c2, transpose_B=True)
+            fence(acc_c)
             for a, b in T.Parallel(BT, BT):
                 acc_c[a, b] = acc_c[a, b] * b_s[b] * T.exp(g_s[b]) + acc_c2[a, b] * b_s[b]
             split(acc_c, None, xh_s, xl_s)
             # X = dT T^T
             T.clear(acc_c)
-            T.gemm(xh_s, th_s, acc_c, transpose_B=True)
-            T.gemm(xh_s, tl_s, acc_c, transpose_B=True)
-            T.gemm(xl_s, th_s, acc_c, transpose_B=True)
+            mm(xh_s, th_s, acc_c, transpose_B=True, wait=False)
+            mm(xh_s, tl_s, acc_c, transpose_B=True, wait=False)
+            mm(xl_s, th_s, acc_c, transpose_B=True)
             split(acc_c, None, xh_s, xl_s)
             # dA = -T^T X, strictly lower
             T.clear(acc_c)
-            T.gemm(th_s, xh_s, acc_c, transpose_A=True)
-            T.gemm(th_s, xl_s, acc_c, transpose_A=True)
-            T.gemm(tl_s, xh_s, acc_c, transpose_A=True)
-            T.clear(acc_kk)
-            T.gemm(k_s, k_s, acc_kk, transpose_B=True)
+            if batched:
+                T.clear(acc_kk)
+            mm(th_s, xh_s, acc_c, transpose_A=True, wait=False)
+            mm(th_s, xl_s, acc_c, transpose_A=True, wait=False)
+            mm(tl_s, xh_s, acc_c, transpose_A=True, wait=False)
+            if not batched:
+                T.clear(acc_kk)
+            mm(k_s, k_s, acc_kk, transpose_B=True)
+            fence(acc_c)
             for a, b in T.Parallel(BT, BT):  # Q = dA * E * KK^T
                 acc_c2[a, b] = T.if_then_else(a > b, -acc_c[a, b] * T.exp(g_s[a] - g_s[b]) * acc_kk[a, b], 0.0)
             T.reduce_sum(acc_c2, row, dim=1)
@@ -673,8 +697,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             split(acc_c, None, xh_s, xl_s)
             # dvb = T^T du; dv = dvb beta
             T.clear(acc_v)
-            T.gemm(th_s, du_s, acc_v, transpose_A=True)
-            T.gemm(tl_s, du_s, acc_v, transpose_A=True)
+            mm(th_s, du_s, acc_v, transpose_A=True, wait=False)
+            mm(tl_s, du_s, acc_v, transpose_A=True)
             if dvb_once:  # dv into the spent du tile first, then the row sums take the product
                 T.sync_threads()  # every warp's share of the product has read du_s
                 for a, b in T.Parallel(BT, V):
@@ -700,8 +724,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                     T.copy(acc_v, dv[t0 : t0 + BT, ihv, 0:V])
             # dkb = T^T dw; dk = dkb s + dkk k + dkk^T k
             T.clear(acc_k)
-            T.gemm(th_s, dw_s, acc_k, transpose_A=True)
-            T.gemm(tl_s, dw_s, acc_k, transpose_A=True)
+            mm(th_s, dw_s, acc_k, transpose_A=True, wait=False)
+            mm(tl_s, dw_s, acc_k, transpose_A=True)
             if tma_loads:  # dw_s is free: it takes dk0, in flight while the rest is formed
                 T.sync_threads()
                 T.tma_copy(dk0[t0 : t0 + BT, ihv, 0:K], dw_s, barrier=full[2])
@@ -716,10 +740,10 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 dg[t0 + a, ihv] = b_s[a] * T.exp(g_s[a]) * krow[a] + rg_s[a]
             for a, b in T.Parallel(BT, K):
                 acc_k[a, b] = acc_k[a, b] * b_s[a] * T.exp(g_s[a])
-            T.gemm(xh_s, k_s, acc_k)
-            T.gemm(xl_s, k_s, acc_k)
-            T.gemm(xh_s, k_s, acc_k, transpose_A=True)
-            T.gemm(xl_s, k_s, acc_k, transpose_A=True)
+            mm(xh_s, k_s, acc_k, wait=False)
+            mm(xl_s, k_s, acc_k, wait=False)
+            mm(xh_s, k_s, acc_k, transpose_A=True, wait=False)
+            mm(xl_s, k_s, acc_k, transpose_A=True)
             if tma_loads:
                 T.barrier_wait(full[2], 0)
             for a, b in T.Parallel(BT, K):
