@@ -548,7 +548,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     `batched` (K <= 128, `t_regs`): the independent products of a step issued as one group of
     tensor-core operations with one wait for all (jla's `_products`) instead of a wait after each:
     `dw k^T` with `du v^T`; X's three; dA's three with `K K^T`; dvb's two; dkb's two; dk's four
-    (21 waits become 8); the same values."""
+    (20 waits a program become 9); the same values."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
