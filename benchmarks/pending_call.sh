@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Twenty-second session (2026-12-05): the WY kernels' padded A / T tile
-# made the default (`chunk_delta_wy(pad_rows=None)`: padded but with `tma_t`) and DELTA_FWD_INVERSE
-# naming K = 256: the delta rules' GPU tests, the WY kernels at K = 256 (and `wy_t` at 128, the one
-# dispatched WY kernel not timed padded as an experiment) beside the previous build's cubins (OLD=dir,
-# copied in as old_*), the inverse held to fewer registers (`x_inv*_mb*`, more programs an SM) beside
-# the dispatched one, the reverse pass with A^T do's tile padded (`x_dh_pad`), the WY VJP's
-# products issued in groups (`x_wy_bwd_l2_batched`), Nsight Compute of `wy_bwd_l2` (NCU=target),
-# the forwards' kernels and XLA glue (PROFILE="op:shape ..."), then BENCH=1 the GDN op beside jla at the issue's shapes.
+# session for what is owed). After the twenty-second session (2026-12-05): the delta reverse pass
+# with its `A^T do` tile padded (`chunk_delta_bwd_dh(pad_adv)`, timed as `x_dh_pad` and equal to the
+# bit, dispatched since) and `inv_l2` at K = 64 with `min_blocks = 8` (likewise, as `x_inv_l2_mb8`)
+# were not yet timed inside the ops: BENCH=1 times GDN beside jla at the issue's shapes (OPS=... for
+# others); the tests run the delta rules' float64 cases with them. PROGS / PROGS2 time programs by
+# target name (OLD=dir copies in a previous build's cubins as old_*), NCU profiles them, PROFILE
+# lists an op's kernels and XLA's glue.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -20,18 +19,8 @@
 # ops beside jla (mosaic_gpu; jla compiles slowly: two ops at four shapes overran 240 s).
 set -u
 g=build/gen
-d=fla_delta_fwd_bf16
-progs=()
-for t in inv_l2 inv wy wy_t; do progs+=(${d}_k256_v256_c64_$t old_${d}_k256_v256_c64_$t); done
-if [ -n "${PROGS:-}" ]; then progs=($PROGS); fi  # others, by target name (PROGS="a b c")
-progs2=(${d}_k128_v128_c64_wy_t old_${d}_k128_v128_c64_wy_t fla_delta_bwd_bf16_k128_v128_c64_wy_bwd_l2
-        fla_delta_bwd_bf16_k128_v128_c64_x_wy_bwd_l2_batched)
-for k in k128_v128 k64_v64; do progs2+=(fla_delta_bwd_bf16_${k}_c64_dh fla_delta_bwd_bf16_${k}_c64_x_dh_pad); done
-for k in k128_v128 k64_v64; do
-  mb=$([ $k = k64_v64 ] && echo 8 || echo 6)
-  progs2+=(${d}_${k}_c64_inv_l2 ${d}_${k}_c64_x_inv_l2_mb$mb ${d}_${k}_c64_inv ${d}_${k}_c64_x_inv_mb8)
-done
-if [ -n "${PROGS2+x}" ]; then progs2=($PROGS2); fi  # (PROGS2="" times none)
+progs=(${PROGS:-})
+progs2=(${PROGS2:-})
 if [ "${1:-}" = prep ]; then
   rm -rf .prof/gen; mkdir -p .prof/gen
   for t in "${progs[@]}" "${progs2[@]}"; do
@@ -47,10 +36,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-(experimental and (x_inv or x_dh_pad or batched)) or forward_from_the_inverse or (delta and matches_float64)}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-delta and matches_float64}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
-for s in ${SHAPES:-4x4096x8x256}; do
+[ ${#progs[@]} -gt 0 ] && for s in ${SHAPES:-4x4096x16x128}; do
   timeout 100 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --inner 10 --rounds 5 --reps 6 "${progs[@]}" 2>&1 | grep -v "^#"
 done | tee "$O/times.txt"
 if [ ${#progs2[@]} -gt 0 ]; then

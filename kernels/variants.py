@@ -86,7 +86,7 @@ INV: Final = (("inverse_only", True), ("gate_rows", True))
 INV_L2: Final = (*INV, ("l2norm", True))
 # the training forward's WY kernel from the raw q and k (use_qk_l2norm_in_kernel), storing T
 WY_T_L2: Final = (("store_t", True), ("l2norm", True))
-# the inverse alone held to the registers that let more programs share an SM (`min_blocks`; experiments)
+# the inverse alone held to the registers that let eight programs share an SM (`min_blocks`)
 MB8: Final = (("min_blocks", 8),)
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
@@ -151,7 +151,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("BV", 32),), dims=(64, 128)),
         # and with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal
         # (and 1 / |q| off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them
-        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=INV_L2),
+        # (at K = 64 held to 64 registers, eight programs an SM instead of five: 0.078 against 0.082 ms at
+        # 8,2048,16,64, ptxas spilling 32 bytes; the same bits. Not so at K = 128, six programs an SM: 0.096
+        # against 0.083; nor `inv` at eight: 0.063 / 0.067 against 0.062 / 0.066 at K = 64 / 128; bf16,
+        # H200, 2026-12-05)
+        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV_L2, *MB8), dims=(64,)),
+        Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=INV_L2, dims=(128, 256)),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("transposed", True), ("l2norm", True), ("col_factors", True)),
                 dims=(64, 128)),
@@ -301,15 +306,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # stages, one P tile each, 0.160 / 0.274 against 0.1595 / 0.265, 2026-12-04.)
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
-        # the inverse at six and eight programs an SM (shared memory 33.3 and 26.6 KB), not yet run
-        Program(name="x_inv_l2_mb6", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
-                config=(*INV_L2, ("min_blocks", 6))),
-        Program(name="x_inv_mb8", of="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, *MB8)),
-    ),
-    ("delta", "fwd", "bf16", 64): (
-        Program(name="x_inv_l2_mb8", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
-                config=(*INV_L2, *MB8)),
-        Program(name="x_inv_mb8", of="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, *MB8)),
     ),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)
@@ -372,9 +368,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # warpgroup 1 rescaling k and q in place element by element (dispatched before 2026-12-04)
         Program(name="x_dh_prev", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"),
                 config=(*DU, *G_ROWS, ("row_factors", False))),
-        # A^T do's float32 tile with rows padded by 8 floats (4-way bank conflicts gone; not yet run)
-        Program(name="x_dh_pad", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"),
-                config=(*DU, *G_ROWS, ("pad_adv", True))),
         Program(name="x_wy_bwd_sync", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("tma_loads", False), ("tma_stores", False))),
         # dvb = T^T du formed once: 0.442 / 0.441 ms against 0.457 / 0.429 at 4,4096,16,128 / 2,8192,16,128
@@ -383,7 +376,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("dvb_once", True),)),
         # T in a float32 shared tile (dispatched before t_regs; one program per SM)
         Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
-        # each step's independent products issued as one group, one wait for all (not yet run)
+        # each step's independent products issued as one group, one wait for all: 0.299 against 0.301 ms at
+        # 4,4096,16,128 (bf16, H200, 2026-12-05), the same bits; within 0.5 %, not dispatched
         Program(name="x_wy_bwd_l2_batched", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("batched", True))),
         # (Two warpgroups a program, `wy_bwd_l2` with threads=256: each GEMM's columns split between them, 99.8 KB
@@ -405,8 +399,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
     ("delta", "bwd", "bf16", 64): (
-        Program(name="x_dh_pad", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"),
-                config=(*DU, *G_ROWS, ("pad_adv", True))),
         # the WY VJP with T in a float32 shared tile (dispatched before t_regs)
         Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
