@@ -137,7 +137,7 @@ def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: i
     meta = json.loads((gen / f"{target}.json").read_text())
     rng = np.random.default_rng(seed)
     # (NS, M: simple GLA's `enter`, one piece per sequence, the whole sequence)
-    dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_R": B * T, "d_NS": B, "d_M": T // 64}
+    dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_N0": B, "d_R": B * T, "d_NS": B, "d_M": T // 64}
     sym = {k[2:]: v for k, v in dims.items()}
     ptrs, scalars = {}, {}
     for p in meta["params"]:

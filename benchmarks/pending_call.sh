@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). After the twenty-second session (2026-12-05): the delta reverse pass
-# with its `A^T do` tile padded (`chunk_delta_bwd_dh(pad_adv)`, timed as `x_dh_pad` and equal to the
-# bit, dispatched since) and `inv_l2` at K = 64 with `min_blocks = 8` (likewise, as `x_inv_l2_mb8`)
-# were not yet timed inside the ops: BENCH=1 times GDN beside jla at the issue's shapes (OPS=... for
-# others); the tests run the delta rules' float64 cases with them. PROGS / PROGS2 time programs by
-# target name (OLD=dir copies in a previous build's cubins as old_*), NCU profiles them, PROFILE
-# lists an op's kernels and XLA's glue.
+# session for what is owed). After the twenty-third session (2026-12-05, no GPU lent after its first
+# call): calls with no initial state giving the state passes `h0` with no rows (ZERO_ROW_H0, off until
+# run here) and the forward's programs that sum the gates per step themselves (the G_SCAN experiments
+# x_fused_scan, x_inv_scan, x_inv_l2_scan: XLA's cumulative sum, and for simple GLA its transpose, go).
+# SEL's default runs the ops' float64 cases (the forward with no gradient among them), those of no
+# initial state with and without the experiments in place, and the experiments against the
+# dispatched programs. NEW=1 adds the ops timed with both in place (`--zero-row-h0 --experiments`)
+# after BENCH's as dispatched. PROGS / PROGS2 time programs by target name (OLD=dir copies in a
+# previous build's cubins as old_*), NCU profiles them, PROFILE lists an op's kernels and XLA's glue.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -36,7 +38,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
-  -k "${SEL:-delta and matches_float64}" > "$O/gpu_tests.log" 2>&1
+  -k "${SEL:-matches_float64 or forward_split or forward_from_the_inverse or without_initial_state or scan}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
 echo "t=${SECONDS}"
 [ ${#progs[@]} -gt 0 ] && for s in ${SHAPES:-4x4096x16x128}; do
@@ -70,6 +72,12 @@ if [ -n "${BENCH:-}" ]; then
   timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang,jla:mosaic_gpu \
     --json "$O/bench.json" 2>&1 | grep -E "^\|" > "$O/bench.txt"
   cat "$O/bench.txt"
+  if [ -n "${NEW:-}" ]; then  # the same ops with ZERO_ROW_H0 and the G_SCAN experiments in place
+    X=simple_gla.fwd.fused=x_fused_scan,delta.fwd.inv=x_inv_scan,delta.fwd.inv_l2=x_inv_l2_scan
+    timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang \
+      --zero-row-h0 --experiments $X --json "$O/bench_new.json" 2>&1 | grep -E "^\|" > "$O/bench_new.txt"
+    cat "$O/bench_new.txt"
+  fi
   if [ -n "${INV:-}" ]; then  # the same ops with DELTA_FWD_INVERSE = $INV (e.g. 64,128,256)
     timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang \
       --delta-fwd-inverse "$INV" --json "$O/bench_inv.json" 2>&1 | grep -E "^\|" > "$O/bench_inv.txt"

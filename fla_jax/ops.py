@@ -53,11 +53,11 @@ def _compute(backend, problem, scale, l2norm, *, q, k, v, g, beta, initial_state
     H, HV = q.shape[2], v.shape[2]
     cdt = problem.compute_dtype
     o_dtype = q.dtype
+    if backend.raw:  # (with no initial state the kernels start from zeros: none written for them)
+        return backend.run(problem, q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, l2norm=l2norm)
     if initial_state is None:
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         initial_state = jnp.zeros((N, HV, q.shape[3], v.shape[3]), cdt)
-    if backend.raw:
-        return backend.run(problem, q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, l2norm=l2norm)
     q, k = q.astype(cdt), k.astype(cdt)
     if l2norm:
         q, k = l2_normalise(q), l2_normalise(k)

@@ -100,6 +100,12 @@ DELTA_L2NORM_FUSED = True
 SPLIT_PROGRAMS = 132
 SPLIT_MIN_CHUNKS = 8
 
+# Calls with no initial state: the forward state passes get `h0` with no rows and start from zeros
+# themselves (`kernels.common.initial_state`), so that XLA writes no `[N, H, K, V]` zeros for them
+# (1.9 us and a launch at 4,4096,16,128). Built 2026-12-05 and run on CPU only (no GPU lent since):
+# off until the GPU tests have run it (`test_tilelang_without_initial_state`); XLA's zeros when off.
+ZERO_ROW_H0 = False
+
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
 VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -164,24 +170,35 @@ def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2no
 
 def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: bool = False):
     """Raw inputs (q, k, v in their dtype, not scaled, not normalised), as `_compute` hands them
-    to this backend.
+    to this backend; `h0` None where the call has no initial state (the kernels then start from
+    zero states, and XLA writes none for them).
 
     q and k are l2-normalised inside the op when asked (delta rules; `_op`). Tokens are laid
     out in chunk rows as for the xla backend (`fla_jax._layout`: every sequence starts at a chunk
-    boundary, zeros in padding slots); the in-chunk gate cumulative sum is taken here, so its
-    gradient (a reverse cumulative sum) is JAX's, but for GLA, whose kernels take both."""
+    boundary, zeros in padding slots). The gates go in per step: the in-chunk cumulative sum is
+    taken inside the op (`_op`), by XLA or by the kernel that reads them (`g_scan`)."""
     T = q.shape[1]
     C = p.chunk_size
     layout = _layout.make_layout(T, cu_seqlens, C)
     g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)  # GLA: [B, T, H, K]
     beta = beta.astype(jnp.float32) if p.delta else None
     q, k, v, g32, beta = (_layout.pack(x, layout) for x in (q, k, v, g32, beta))
-    # GLA's kernels take the per-step gates and the sums' gradient themselves (`chunk_gla_a` writes G)
-    G = g32 if p.op == "gla" else jnp.cumsum(g32.reshape(g32.shape[0], -1, C, *g32.shape[2:]), axis=2).reshape(g32.shape)
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
-    tokens = (q, k, v, G) + ((beta,) if p.delta else ())
-    o, ht = _op(p, float(scale), l2norm, *tokens, h0.astype(jnp.float32), *tables)
+    tokens = (q, k, v, g32) + ((beta,) if p.delta else ())
+    state = () if h0 is None else (h0.astype(jnp.float32),)
+    o, ht = _op(p, float(scale), l2norm, h0 is not None, *tokens, *state, *tables)
     return _layout.unpack(o, layout, T), ht
+
+
+def _in_chunk_cumsum(g, C: int, reverse: bool = False):
+    """The cumulative sum of the per-step gates within each chunk of `C` rows (axis 1 of chunk rows
+    `[B, NT * C, H]`, or axis 0 of flat ones `[NT * C, H]`); `reverse`: from each chunk's end (the
+    sum's VJP)."""
+    axis = 1 if g.ndim == 3 else 0
+    x = g.reshape(*g.shape[:axis], -1, C, *g.shape[axis + 1 :])
+    if reverse:
+        return jnp.flip(jnp.cumsum(jnp.flip(x, axis + 1), axis=axis + 1), axis + 1).reshape(g.shape)
+    return jnp.cumsum(x, axis=axis + 1).reshape(g.shape)
 
 
 # ----------------------------------------------------------------------------- use_qk_l2norm_in_kernel
@@ -247,9 +264,12 @@ def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
 
 
 def _program(p: Problem, direction: str, K: int, name: str):
-    """The dispatched `kernels.variants.Program` of one kind."""
-    variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, K)
-    return next(prog for prog in variant.programs if prog.name == name and not prog.of)
+    """The `kernels.variants.Program` of one kind that runs: the dispatched one, or the experiment
+    that `EXPERIMENT_OVERRIDES` puts in its place (its config decides how its inputs are laid out)."""
+    op = "delta" if p.delta else p.op
+    variant = _find_variant(op, direction, p.dtype, K, K)
+    chosen = next((prog for prog in variant.programs if prog.of == name and prog.name == EXPERIMENT_OVERRIDES.get((op, direction, name))), None)
+    return chosen or next(prog for prog in variant.programs if prog.name == name and not prog.of)
 
 
 def _gate_rows(G, C: int):
@@ -303,21 +323,28 @@ def _like(x, dtype=None, heads=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype or x.dtype)
 
 
-def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
+def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool, *arrays):
     """`(o, ht)`, or with `store_h` `(o, h, *wy, ht)`: h `[B, NT, HV, K, V]`, the state before each
     chunk, and for the backward wy: for the delta rules the WY preparation's `w, u` (rows like v),
     `T` (`[B, NT, HV, C, C]`) and `v_new` (rows like v), for GLA the intra-chunk matrix A
-    (`[B, NT, H, C, C]`). `arrays`: the token arrays, h0, the varlen tables. `l2norm`: q and k
+    (`[B, NT, H, C, C]`). `arrays`: the token arrays (the gates per step with no gradient, but
+    for GLA the in-chunk sums under one), h0 where `has_h0`, the varlen tables. `l2norm`: q and k
     raw, normalised by the kernels (the forward from the inverse, `_folds_l2norm`; under a gradient
     the WY kernel `wy_t_l2`, `_folds_l2norm_h`, and then the normalised q, k and their `1 / |x|`
     follow wy among the results)."""
     n = len(_token_layouts(p))
-    tokens, h0, tables = arrays[:n], arrays[n], arrays[n + 1 :]
+    tokens, h0, tables = arrays[:n], arrays[n] if has_h0 else None, arrays[n + has_h0 :]
     C = p.chunk_size
     B, Lr, _, K = tokens[0].shape
     flat, (cstart, ccount) = _flat(C, *tokens, tables=tables)
     qf, kf, vf, Gf = flat[:4]
     HV, V = vf.shape[1:]
+    state = jax.ShapeDtypeStruct((cstart.shape[0], HV, K, V), jnp.float32)  # ht
+    if h0 is None:  # no rows: the kernels start from zero states (`kernels.common.initial_state`)
+        h0 = jnp.zeros((0 if ZERO_ROW_H0 else cstart.shape[0], HV, K, V), jnp.float32)
+    graw = Gf  # the gates per step where no gradient is taken: their in-chunk sums by XLA where a kernel takes those
+    if not store_h and p.op != "gla":
+        Gf = _in_chunk_cumsum(graw, C)
     dt = qf.dtype
     NT = qf.shape[0] // C
     wy = ()
@@ -325,11 +352,13 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
         targets = _targets(p, "fwd", K, V)
         t0 = jax.ShapeDtypeStruct((NT, HV, C, C), dt)
         rows = lambda R: jax.ShapeDtypeStruct((NT, HV, R, C), jnp.float32)
+        inv = "inv_l2" if l2norm else "inv"
+        gates = graw if dict(_program(p, "fwd", K, inv).config).get("g_scan") else Gf  # (summed by the kernel, or by XLA)
         if l2norm:  # G, beta, 1 / |q|, 1 / |k| per chunk and value head, rows that the state pass loads
-            t0, gr = _call(targets["inv_l2"], (t0, rows(4)), qf, kf, Gf, flat[4])
+            t0, gr = _call(targets[inv], (t0, rows(4)), qf, kf, gates, flat[4])
         else:  # G and beta
-            t0, gr = _call(targets["inv"], (t0, rows(2)), kf, Gf, flat[4])
-        o, ht = _call(targets[_state_pass_t(targets, l2norm, h0.shape[0], HV, V)], (_like(vf), _like(h0, jnp.float32)), qf, kf, vf, t0, gr,
+            t0, gr = _call(targets[inv], (t0, rows(2)), kf, gates, flat[4])
+        o, ht = _call(targets[_state_pass_t(targets, l2norm, cstart.shape[0], HV, V)], (_like(vf), state), qf, kf, vf, t0, gr,
                       h0, cstart, ccount, scale=np.float32(scale))
         return o.reshape(B, Lr, HV, V), ht
     assert not l2norm or store_h, "the forward with no gradient normalises q and k itself only from the inverse"
@@ -352,15 +381,18 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, *arrays):
                               _like(kf)), qf, kf, Gf, scale=np.float32(scale))
         ins, extra = (qg, kg, vf, Gf, a), ()
         wy = (a.reshape(B, NT // B, *a.shape[1:]), Gf.reshape(B, Lr, *Gf.shape[1:]), qg.reshape(B, Lr, *qg.shape[1:])) if store_h else ()
-    else:  # simple GLA: G as per-chunk rows `[NT, H, C]` where the pass loads them by TMA (`g_rows`)
-        ins, extra = (qf, kf, vf, _gates_for(p, "fwd", K, "fused_h" if store_h else "fused", Gf, C)), ()
+    else:  # simple GLA: G as per-chunk rows `[NT, H, C]` where the pass loads them by TMA (`g_rows`), the
+        # gates per step where it sums them itself (`g_scan`)
+        name = "fused_h" if store_h else "fused"
+        scan = not store_h and dict(_program(p, "fwd", K, name).config).get("g_scan")
+        ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C)), ()
         pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
         if pieces > 1:
-            return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, B, C)
+            return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, Gf, B, C)
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
     out = _call(
         _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
-        (_like(vf), *extra, *h, _like(h0, jnp.float32)), *ins, h0, cstart, ccount, scale=np.float32(scale),
+        (_like(vf), *extra, *h, state), *ins, h0, cstart, ccount, scale=np.float32(scale),
     )
     h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
     if p.delta and wy:  # and v_new, for the backward's consumer kernel
@@ -390,23 +422,24 @@ def _pieces(B: int, H: int, V: int, nt: int) -> int:
     return pieces
 
 
-def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, B: int, C: int):
+def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, G, B: int, C: int):
     """Simple GLA's `(o, ht)` (dense, no gradient) with each sequence's chunks walked in `pieces`
     pieces at once by the state pass (`fused`, as `pieces * B` sequences, the first piece from h0,
     the others from zero states); then `enter` adds what the states entering the later pieces
-    contribute to their output. `ins`: the pass's token inputs (q, k, v, G as per-chunk rows
-    where the pass takes them so, `g_rows`)."""
-    q, G = ins[0], ins[3]
+    contribute to their output. `ins`: the pass's token inputs (q, k, v and the gates as it takes
+    them), `h0` with no rows where there is none, `G` the in-chunk sums `[L, H]`."""
+    q = ins[0]
     L, H, K = q.shape
     V = ins[2].shape[-1]
     nt = L // (B * C)
     m = nt // pieces  # chunks a piece
     ar = lambda n: jnp.arange(n, dtype=jnp.int32)  # (iota, not constants: custom partitioning takes none)
     first = (ar(B)[:, None] * nt + ar(pieces)[None] * m).reshape(-1)
-    h0s = jnp.zeros((B, pieces, *h0.shape[1:]), jnp.float32).at[:, 0].set(h0).reshape(-1, *h0.shape[1:])
+    h0s = h0 if not h0.shape[0] else jnp.zeros((B, pieces, *h0.shape[1:]), jnp.float32).at[:, 0].set(h0).reshape(-1, *h0.shape[1:])
     s = np.float32(scale)
-    o, ht = _call(targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), _like(h0s)), *ins, h0s, first, jnp.full_like(first, m), scale=s)
-    rows = G if G.ndim == 3 else _gate_rows(G, C)  # [NT, H, C]
+    o, ht = _call(targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), jax.ShapeDtypeStruct((B * pieces, H, K, V), jnp.float32)),
+                  *ins, h0s, first, jnp.full_like(first, m), scale=s)
+    rows = _gate_rows(G, C)  # [NT, H, C]
     chunk = rows[:, :, -1].reshape(B, pieces, m, H)  # a chunk's whole decay
     ht = ht.reshape(B, pieces, H, K, V)
     S, enter = jnp.zeros_like(ht[:, 0]), []  # the state entering each piece (piece 0's is in o already)
@@ -419,12 +452,13 @@ def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, B: int, C:
     return o.reshape(B, nt * C, H, V), S
 
 
-def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, *arrays):
+def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: bool, *arrays):
     """Gradients of the token arrays and of h0, from (token arrays, h, *wy, *norms, tables, do,
     dht); wy as `_forward` stores it (delta rules and GLA); with `l2norm` the token arrays hold the
     normalised q and k, `norms` their `1 / |x|` (`[B, T, H]` float32), and the gradients are the
     raw q's and k's. `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE (read by
-    `_forward`), DELTA_L2NORM_FUSED and the experiment overrides (read by `_targets` while this traces)."""
+    `_forward`), DELTA_L2NORM_FUSED and the experiment overrides (read by `_targets` while this traces).
+    h0's gradient only where `has_h0`."""
     fused, wy_kernel, _, norm_fused = switches[:4]
     n = len(_token_layouts(p))
     m = n + 1 + len(_stored_layouts(p)) + (2 if l2norm else 0)
@@ -448,7 +482,7 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, *arrays):
         dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qd, dof, Gf, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
         grads = _consumer(p, bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
-        return (*(rows(g, g.dtype) for g in grads), dh0)
+        return (*(rows(g, g.dtype) for g in grads), *((dh0,) if has_h0 else ()))
     # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
     # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
     wd, ud, Tm, vn = (x.reshape(-1, *x.shape[2:]) for x in wy)
@@ -489,35 +523,36 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, *arrays):
     if l2norm and not k_norm:
         dk = _norm_backward(p, kf, rk, dk.astype(kf.dtype))
     return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
-            rows(dbeta, jnp.float32), dh0)
+            rows(dbeta, jnp.float32), *((dh0,) if has_h0 else ()))
 
 
-def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool = False):
+def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool = False, has_h0: bool = True):
     """The forward (`fwd`, `fwd_h`: with stored states) or backward as one custom-partitioned
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
     states whole. The module's switches are read here, so that changing them takes effect.
     `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients;
-    the forward (`fwd`, where `_folds_l2norm`) takes the raw q and k and normalises them itself."""
+    the forward (`fwd`, where `_folds_l2norm`) takes the raw q and k and normalises them itself.
+    `has_h0`: initial states among the arrays (and their gradient among the backward's results)."""
     switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())),
-                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS)
-    return _partitioned_with(p, scale, direction, varlen, l2norm, switches, VJP_PRECISION)
+                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0)
+    return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, switches, VJP_PRECISION)
 
 
 @functools.cache
-def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool, switches: tuple, precision):
+def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool, has_h0: bool, switches: tuple, precision):
     del precision  # read by `_delta_local` and `_wy_vjp` while they trace; a key of the cache here
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
     tokens = _token_layouts(p)
     if direction == "bwd":
         norms = ("bth", "bth") if l2norm else ()
-        ins, outs = tokens + ("bchkv",) + _stored_layouts(p) + norms + tables + ("bthv", state), tokens + (state,)
-        fn = functools.partial(_backward, p, scale, switches, l2norm)
+        ins, outs = tokens + ("bchkv",) + _stored_layouts(p) + norms + tables + ("bthv", state), tokens + (state,) * has_h0
+        fn = functools.partial(_backward, p, scale, switches, l2norm, has_h0)
     else:
-        ins = tokens + (state,) + tables
+        ins = tokens + (state,) * has_h0 + tables
         norms = ("bthk", "bthk", "bth", "bth") if l2norm else ()  # (fwd_h from the raw q, k: their y and 1 / |x|)
         outs = ("bthv", "bchkv") + _stored_layouts(p) + norms + (state,) if direction == "fwd_h" else ("bthv", state)
-        fn = functools.partial(_forward, p, scale, direction == "fwd_h", l2norm)
+        fn = functools.partial(_forward, p, scale, direction == "fwd_h", l2norm, has_h0)
     return _partition.batch_head_partitioned(fn, ins, outs)
 
 
@@ -534,36 +569,41 @@ def _folds_l2norm_h(p: Problem, K: int) -> bool:
     return p.delta and DELTA_L2NORM_FUSED and "wy_t_l2" in _targets(p, "fwd", K, K)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _op(p, scale, l2norm, *arrays):
-    """`(o, ht)` from (token arrays, h0, varlen tables); gradients by the backward kernels. With
-    `l2norm` q and k (the first two arrays) are l2-normalised first: by the kernels where
-    `_folds_l2norm`, else by XLA."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _op(p, scale, l2norm, has_h0, *arrays):
+    """`(o, ht)` from (token arrays, h0 where `has_h0`, varlen tables); gradients by the backward
+    kernels. The gates per step (GLA's too; the others' in-chunk sums are taken here, or by the
+    kernel that reads them). With `l2norm` q and k (the first two arrays) are l2-normalised first:
+    by the kernels where `_folds_l2norm`, else by XLA."""
     n = len(_token_layouts(p))
     folded = l2norm and _folds_l2norm(p, arrays[0].shape[-1])
     if l2norm and not folded:
         arrays = (*(l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in arrays[:2]), *arrays[2:])
-    return _partitioned(p, scale, "fwd", len(arrays) > n + 1, folded)(*arrays)
+    return _partitioned(p, scale, "fwd", len(arrays) > n + has_h0, folded, has_h0)(*arrays)
 
 
-def _op_fwd(p, scale, l2norm, *arrays):
+def _op_fwd(p, scale, l2norm, has_h0, *arrays):
     n = len(_token_layouts(p))
     norms = ()
     folded = l2norm and _folds_l2norm_h(p, arrays[0].shape[-1])
     if l2norm and not folded:  # the normalised q, k in place of the raw ones, and 1 / |q|, 1 / |k| for the backward
         qn, kn, *norms = _norm_partitioned(p)(*arrays[:2])
         arrays = (qn, kn, *arrays[2:])
-    o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + 1, folded)(*arrays)
+    if p.op != "gla":  # the in-chunk sums G, which the kernels take under a gradient (GLA's form their own)
+        arrays = (*arrays[:3], _in_chunk_cumsum(arrays[3], p.chunk_size), *arrays[4:])
+    o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + has_h0, folded, has_h0)(*arrays)
     if folded:  # (the WY kernel normalised them)
         *wy, qn, kn, rq, rk = wy
         arrays, norms = (qn, kn, *arrays[2:]), (rq, rk)
-    return (o, ht), (arrays[:n], h, (*wy, *norms), arrays[n + 1 :])
+    return (o, ht), (arrays[:n], h, (*wy, *norms), arrays[n + has_h0 :])
 
 
-def _op_bwd(p, scale, l2norm, res, ct):
+def _op_bwd(p, scale, l2norm, has_h0, res, ct):
     tokens, h, wy, tables = res
     do, dht = ct
-    grads = _partitioned(p, scale, "bwd", bool(tables), l2norm)(*tokens, h, *wy, *tables, do.astype(tokens[0].dtype), dht)
+    grads = _partitioned(p, scale, "bwd", bool(tables), l2norm, has_h0)(*tokens, h, *wy, *tables, do.astype(tokens[0].dtype), dht)
+    if p.op != "gla":  # G's gradient -> the gates' per step
+        grads = (*grads[:3], _in_chunk_cumsum(grads[3], p.chunk_size, reverse=True), *grads[4:])
     return (*grads, *(None for _ in tables))
 
 

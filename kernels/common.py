@@ -1,6 +1,8 @@
 """Pieces shared by several TileLang programs (expanded in place: `T.macro`)."""
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
+import functools
+
 import tilelang.language as T
 
 
@@ -112,23 +114,60 @@ def _stage(buf, slot):
 
 
 @T.macro
+def scan_fetch(src, a):
+    """A chunk's in-chunk cumulative sum by one warp, first half: lane t of the first warp of the
+    threads' (first) warpgroup reads steps 2 t and 2 t + 1 (`src(step)`) into `a[0:2]` (a local
+    `[4]` float32; issued early, so that their latency hides behind other work)."""
+    t = T.get_thread_binding() % 128
+    if t < 32:
+        a[0] = src(2 * t)
+        a[1] = src(2 * t + 1)
+
+
+@T.macro
+def scan_store(a, dst, prefix):
+    """Second half: the inclusive cumulative sum of the 64 steps into `dst[prefix + (step,)]`: each
+    lane sums its pair, the pairs' sums are scanned across the warp by shuffles (Hillis-Steele,
+    five steps), and a lane's first step takes the scan of the pairs before it."""
+    t = T.get_thread_binding() % 128
+    if t < 32:
+        a[2] = a[0] + a[1]
+        for d in (1, 2, 4, 8, 16):
+            a[3] = T.shfl_up(a[2], d)
+            if t >= d:
+                a[2] = a[2] + a[3]
+        a[3] = T.shfl_up(a[2], 1)
+        if t == 0:
+            a[3] = T.float32(0)
+        dst[prefix + (2 * t,)] = a[3] + a[0]
+        dst[prefix + (2 * t + 1,)] = a[2]
+
+
+@T.macro
 def stage_loads(loads, full, free, nc, stages, c_first, step, singles=(), one_full=None, one_free=None):
     """The loading warpgroup of the warp-specialized passes: for its i-th chunk
     `c = c_first + step i` (`step` 1 forward, -1 in reverse), once its users freed stage
     `i % stages` (on `free`), each `(source, buffer, tma)` of `loads` in order: `source(c)` (a region of chunk
     c) into that stage of `buffer`, by TMA on `full` or, where `tma` is False, by each thread
-    (the scalar gates); then the warpgroup's own arrival on `full`. Then each `(source, buffer)`
-    `j` of `singles`, a buffer of one slot (`buffer[0]`) with barriers of its own: once its user
-    freed it on `one_free[j]`, by TMA on `one_full[j]` (where the stages of every tile would not
-    fit in shared memory)."""
+    (the scalar gates), or where `tma` is `"scan"` (at most one such entry, `gate_scan_load`) the
+    in-chunk cumulative sum of `source(c, step)` by one warp (`scan_fetch`, `scan_store`); then the warpgroup's own arrival on
+    `full`. Then each `(source, buffer)` `j` of `singles`, a buffer of one slot (`buffer[0]`) with
+    barriers of its own: once its user freed it on `one_free[j]`, by TMA on `one_full[j]` (where
+    the stages of every tile would not fit in shared memory)."""
     T.set_max_nreg(40, 0)
+    scans = tuple(load for load in loads if isinstance(load[2], str))
+    a = T.alloc_local((4,), "float32")
     for i in T.serial(nc):
         slot = i % stages
+        c = c_first + i if step == 1 else c_first - i
+        for load in scans:
+            scan_fetch(functools.partial(load[0], c), a)
         if i >= stages:
             T.barrier_wait(free[slot], (i // stages + 1) % 2)
-        c = c_first + i if step == 1 else c_first - i
         for load in loads:  # (no name binds a buffer here: TileLang would rename it after the name)
-            if load[2]:
+            if isinstance(load[2], str):
+                scan_store(a, load[1], (slot,))
+            elif load[2]:
                 T.tma_copy(load[0](c), _stage(load[1], slot), barrier=full[slot])
             else:
                 T.copy(load[0](c), _stage(load[1], slot), disable_tma=True)
@@ -138,6 +177,16 @@ def stage_loads(loads, full, free, nc, stages, c_first, step, singles=(), one_fu
                 T.barrier_wait(one_free[j], (i + 1) % 2)
             T.tma_copy(single[0](c), _stage(single[1], 0), barrier=one_full[j])
             T.barrier_arrive(one_full[j])
+
+
+def gate_scan_load(g, g_s, head):
+    """`stage_loads`' entry for a chunk's G formed from the per-step gates `g [L, H]` (`g_scan`):
+    the loading warpgroup sums them within the chunk itself (`scan_store`), so that XLA's
+    cumulative sum and the transpose to per-chunk rows (four small launches, ~6.6 us at
+    4,4096,16,128 on the H200) go."""
+    BT = int(g_s.shape[-1])
+    assert BT == 64, "one warp scans a chunk of 64 steps, two a lane"
+    return (lambda c, t: g[c * BT + t, head], g_s, "scan")
 
 
 def gate_load(g, g_s, head, g_rows):
@@ -160,6 +209,26 @@ def delta_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, ih, ihv, iv, g_rows=Fals
     return ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
             (lambda c: w[rows(c), ihv, 0:K], w_s, True), (lambda c: x[rows(c), ihv, iv * BV : (iv + 1) * BV], x_s, True),
             gate_load(g, g_s, ihv, g_rows))
+
+
+@T.macro
+def initial_state(h0, b_h, n, head, iv, transposed=False):
+    """`b_h` <- the V block `iv` of sequence n's initial state `h0[n, head]` (`[K, BV]`, or `[BV, K]`
+    with `transposed`), or zeros where the call has none: `h0` with no rows (`N0 = 0`), so that XLA
+    writes no zero states for the pass to read."""
+    if transposed:
+        BV, K = (int(d) for d in b_h.shape)
+        if h0.shape[0] > 0:
+            for r, c in T.Parallel(BV, K):
+                b_h[r, c] = h0[n, head, c, iv * BV + r]
+        else:
+            T.clear(b_h)
+    else:
+        K, BV = (int(d) for d in b_h.shape)
+        if h0.shape[0] > 0:
+            T.copy(h0[n, head, 0:K, iv * BV : (iv + 1) * BV], b_h)
+        else:
+            T.clear(b_h)
 
 
 @T.macro

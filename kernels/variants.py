@@ -76,6 +76,10 @@ NO_DV: Final = (("delta", True), ("no_dv", True))
 # the delta rules' training passes (the forward storing h, the reverse pass) at K <= 128 take G as per-chunk
 # rows `[NT, HV, C]` and load them by TMA with the stage (each loading thread's load of a column delayed it)
 G_ROWS: Final = (("g_rows", True),)
+# the gates per step, summed within each chunk by one warp of the program (`kernels.common.scan_store`): in the
+# forward with no gradient XLA's cumulative sum and, for simple GLA, its transpose to rows go (built 2026-12-05,
+# not yet run on a GPU: the experiments x_fused_scan, x_inv_scan, x_inv_l2_scan)
+G_SCAN: Final = (("g_scan", True),)
 # the forward state passes' chain warpgroup forms exp(G_C - G) once per row of v (v_new) rather than once per element
 # (the same bits): the delta rules' forward storing h 0.173 -> 0.156 ms at 4,4096,16,128 (with G_ROWS; 0.170 with
 # G_ROWS alone), 0.309 -> 0.257 at 2,8192,16,128; at K = 256 `fused` 0.436 -> 0.400, `fused_h` 0.464 -> 0.451;
@@ -97,8 +101,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # 0.1004 / 0.1823 against 0.1025 / 0.1844 at 4,4096,16,128 / 2,8192,16,128, 2026-12-04, ten
         # launches a sample, interleaved)
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(("g_rows", True), ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
-        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=(("g_rows", True),)),
+                config=(*G_ROWS, ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
+        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=G_ROWS),
         # (with ROW_FACTORS 0.134 against 0.125 ms at 4,4096,16,128 bf16, H200, 2026-12-04: not taken here)
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True)), dims=(128,)),
@@ -277,6 +281,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # each thread (the default before); T stored by TMA; the state pass in one
     # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
+        Program(name="x_inv_scan", of="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, *G_SCAN)),
+        Program(name="x_inv_l2_scan", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
+                config=(*INV_L2, *G_SCAN)),
         Program(name="x_wy_rows", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("blocked", False),)),
         Program(name="x_wy_merged", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"), config=(("merged", True),)),
         Program(name="x_wy_sync", of="wy", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u"),
@@ -307,6 +314,11 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
     ),
+    # the inverse summing the gates per step itself (G_SCAN) at K = 64
+    ("delta", "fwd", "bf16", 64): (
+        Program(name="x_inv_l2_scan", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
+                config=(*INV_L2, *MB8, *G_SCAN)),
+    ),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)
     ("delta", "fwd", "bf16", 256): (
@@ -318,43 +330,35 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_wy_t_rows", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("blocked", False))),
     ),
-    # the one-pass forward in one warpgroup (the default before the warp-specialized one); the three-warpgroup
-    # pass with V blocks of 128, 3 and 4 stages. (Tried and not kept, 2026-12-03 on an H200: V blocks of 32,
-    # two programs per SM, 0.221 against 0.139 ms at 4,4096,16,128 but 0.198 against 0.266 at 2,8192,16,128
-    # where 64 programs leave half the GPU idle; the output's two GEMMs in flight together with P in
-    # registers, 0.135 against 0.139.)
+    # the one-pass forward storing h in one warpgroup (the default before the warp-specialized one), with one
+    # output warpgroup, with two and three stages. (The forward's experiments went when it took the gates per
+    # step, G_SCAN: the one-warpgroup pass, V blocks of 128, 3 and 4 stages, one output warpgroup, two with two
+    # stages; their timings in benchmarks/RESULTS.md. Tried and not kept, 2026-12-03 on an H200: V blocks of
+    # 32, two programs per SM, 0.221 against 0.139 ms at 4,4096,16,128 but 0.198 against 0.266 at
+    # 2,8192,16,128 where 64 programs leave half the GPU idle; the output's two GEMMs in flight together with
+    # P in registers, 0.135 against 0.139.)
     ("simple_gla", "fwd", "bf16", 128): (
-        Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht"), config=(("g_rows", True),)),
+        Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_SCAN, ("stages", 3), *ROW_FACTORS)),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
-        Program(name="x_fused_bv128", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True), ("BV", 128),)),
-        Program(name="x_fused_s3", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True), ("stages", 3),)),
-        Program(name="x_fused_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True), ("stages", 4),)),
-        # one output warpgroup (dispatched before)
-        Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True),)),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
-        # two output warpgroups with two stages (the forward dispatched before 2026-12-04) and, storing h, three
-        # (193 KB of shared memory): 0.152 against 0.149 ms dispatched at 4,4096,16,128, 0.213 against 0.217 at
-        # 2,8192,16,128 (bf16, H200, 2026-12-03, one launch a sample): within noise, not kept
-        Program(name="x_fused_2out_s2", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("g_rows", True),)),
+        # storing h with three stages (193 KB of shared memory): 0.152 against 0.149 ms dispatched at
+        # 4,4096,16,128, 0.213 against 0.217 at 2,8192,16,128 (bf16, H200, 2026-12-03, one launch a sample):
+        # within noise, not kept
         Program(name="x_fused_h_2out_s3", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True), ("stages", 3))),
     ),
-    # at K = 64 too (0.099 against 0.063 ms for the warp-specialized pass at 8,2048,16,64)
+    # at K = 64 too (0.099 against 0.063 ms for the warp-specialized pass at 8,2048,16,64); two output
+    # warpgroups under a gradient (slower here)
     ("simple_gla", "fwd", "bf16", 64): (
-        Program(name="x_fused_1wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "ht"), config=(("g_rows", True),)),
+        Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_SCAN, ("stages", 3), *ROW_FACTORS)),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
-        # one output warpgroup in the forward (dispatched before); two under a gradient (slower here)
-        Program(name="x_fused_3wg", of="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), config=(("g_rows", True),)),
         Program(name="x_fused_h_2out", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
-        # two output warpgroups with two (dispatched before) and four stages (0.089 and 0.073 ms against
-        # 0.073 for three at 8,2048,16,64 bf16, H200, 2026-12-03)
-        Program(name="x_fused_2out_s2", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"), config=(("g_rows", True),)),
-        Program(name="x_fused_2out_s4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(("g_rows", True), ("stages", 4),)),
     ),
     # the state-gradient pass in one warpgroup (the default before), and so with K split in two
     # (twice the programs; dispatched for grids of at most 66 programs before the warp-specialized pass).
@@ -376,10 +380,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("dvb_once", True),)),
         # T in a float32 shared tile (dispatched before t_regs; one program per SM)
         Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
-        # each step's independent products issued as one group, one wait for all: 0.299 against 0.301 ms at
-        # 4,4096,16,128 (bf16, H200, 2026-12-05), the same bits; within 0.5 %, not dispatched
-        Program(name="x_wy_bwd_l2_batched", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
-                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("batched", True))),
+        # (Each step's independent products issued as one group, one wait for all, `x_wy_bwd_l2_batched`:
+        # 0.299 against 0.301 ms at 4,4096,16,128, bf16, H200, 2026-12-05, the same bits; not kept.)
         # (Two warpgroups a program, `wy_bwd_l2` with threads=256: each GEMM's columns split between them, 99.8 KB
         # of shared memory either way, two programs per SM: 0.327 against 0.305 ms at 4,4096,16,128 bf16, H200,
         # 2026-12-05, the same values within 3.2e-7: not kept.)

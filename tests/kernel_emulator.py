@@ -34,6 +34,11 @@ def _sequence_ends(per_chunk, chunk, ccount, fallback):
     return jnp.where((ccount > 0)[:, None, None, None], per_chunk[jnp.maximum(chunk, 0)], fallback)
 
 
+def _initial_states(h0, cstart):
+    """`h0 [N, H, K, V]`, or zeros where the call had none (no rows: `kernels.common.initial_state`)."""
+    return h0 if h0.shape[0] else jnp.zeros((cstart.shape[0], *h0.shape[1:]), h0.dtype)
+
+
 def _ownership(NT, cstart, ccount):
     """Per chunk: its sequence, and whether it is that sequence's first / last chunk."""
     c = jnp.arange(NT)
@@ -47,6 +52,7 @@ def _scan_states(a, b, G, s0, cstart, ccount, reverse=False, scale=1.0, decayed=
     """Forward (a = k, b = v): states before each chunk and after each sequence; reverse (a = q,
     b = do, s0 = dht): state gradients after each chunk and before each sequence. `decayed`: `a`
     is `k exp(G_C - G)` (forward) or `q exp(G)` (reverse) already (GLA's state passes)."""
+    s0 = _initial_states(s0, cstart)
     ac, bc, Gc = _chunks(a)[0], _chunks(b)[0], _chunks(G)[0]  # [NT, C, H, .]
     NT = ac.shape[0]
     per_channel = Gc.ndim == 4  # GLA: G [NT, C, H, K]
@@ -228,6 +234,7 @@ def _delta_states(q, k, G, h0, cstart, ccount, *, scale, v_new):
     (float32, rounded as the kernel rounds them) from its state S in the input dtype: o, v_new, h
     (input dtype) and ht. q and k have one head per q/k head."""
     HV = G.shape[1]
+    h0 = _initial_states(h0, cstart)
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
     qc, kc, Gc = (_chunks(x)[0] for x in (rep(q), rep(k), G))  # [NT, C, HV, .]
     NT = qc.shape[0]
@@ -462,11 +469,26 @@ DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": d
                   "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2}
 
 
+def _programs():
+    """Each built program by target name: its kind (the dispatched program's name, which an
+    experiment stands in for) and its config."""
+    from kernels import variants
+
+    return {v.target(p): (p.of or p.name, dict(p.config)) for v in variants.VARIANTS for p in v.programs}
+
+
+BUILT = _programs()
+
+
 def call(target, results, *args, init=None, **attrs):
     """Drop-in for fla_jax.tilelang_backend._call."""
     args = (*args, *(init or ()))
-    programs = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)
-    fn = next(f for suffix, f in programs.items() if target.endswith(suffix))
+    kind, config = BUILT[target]
+    if config.get("g_scan"):  # the gates per step, summed within each chunk by the program
+        i = {"inv_l2": 2, "inv": 1}.get(kind, 3)  # (simple GLA's state pass: the fourth input)
+        G = args[i]
+        args = (*args[:i], jnp.cumsum(G.reshape(-1, C, *G.shape[1:]), axis=1).reshape(G.shape), *args[i + 1 :])
+    fn = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)["_" + kind]
     attrs = {k: float(v) for k, v in attrs.items()}
     # where the key channels are split, results[2] has a leading axis of parts: dv [parts, L, H, V], or
     # the delta rules' consumer (no dv, three results) dg [parts, L, HV]

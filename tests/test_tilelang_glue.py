@@ -83,6 +83,50 @@ def test_simple_gla_forward_split_matches_float64(case, emulated, monkeypatch):
         assert all(e <= (5e-3 if case.dtype == "bfloat16" else 1e-3) for e in errs.values()), (pieces, errs)
 
 
+NO_H0_CASES = [
+    Case("simple_gla", 2, 64 * 8 - 13, 2, 64, 64, dtype="bfloat16"),  # (split in pieces with no gradient)
+    Case("simple_gla", 1, 300, 2, 128, 128, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300)),
+    Case("gla", 1, 130, 2, 64, 64, dtype="bfloat16"),
+    Case("gated_delta_rule", 1, 130, 2, 128, 128, dtype="bfloat16", l2norm=True),
+    Case("gated_delta_rule", 1, 300, 1, 64, 64, HV=2, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), l2norm=True),
+    Case("delta_rule", 1, 130, 2, 128, 128, dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", NO_H0_CASES, ids=str)
+def test_no_initial_state_and_gates_summed_by_the_kernels(case, emulated, monkeypatch):
+    """With no initial state and ZERO_ROW_H0 every forward program gets `h0` with no rows; with the
+    G_SCAN experiments put in place (`EXPERIMENT_OVERRIDES`) the forward's programs that sum the
+    gates per step run (simple GLA's state pass, the delta rules' inverse), given the gates per
+    step: o, ht (with and without a gradient) and every gradient against float64, emulated."""
+    rows, names = [], []
+
+    def record(target, results, *args, **attrs):
+        names.append(target.rsplit("_c64_", 1)[1])
+        if "_fwd_" in target and len(args) >= 3 and args[-1].dtype == jnp.int32 and args[-3].ndim == 4:
+            rows.append(args[-3].shape[0])  # h0 [N0, H, K, V] before cstart, ccount
+        return kernel_emulator.call(target, results, *args, **attrs)
+
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
+    monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
+    for key, name in (((("simple_gla", "fwd", "fused"), "x_fused_scan"), (("delta", "fwd", "inv"), "x_inv_scan"),
+                       (("delta", "fwd", "inv_l2"), "x_inv_l2_scan"))):
+        monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
+    diff, cot = make_inputs(case, 41)
+    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
+    fo, fht = forward_outputs(case, "tilelang")(diff)
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht), "o fwd": err_ratio(ref_o, fo), "ht fwd": err_ratio(ref_ht, fht)}
+    errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
+    print(case, names, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert rows and set(rows) == {0}, rows
+    scans = {"simple_gla": {"x_fused_scan"}, "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"})
+    assert scans <= set(names), names
+    tol = 1e-2 if case.op in ("delta_rule", "gated_delta_rule") else 5e-3
+    assert all(e <= tol for e in errs.values()), errs
+
+
 DELTA_CASES = [
     Case("gated_delta_rule", 2, 100, 2, 64, 64, dtype="bfloat16", h0=True),
     Case("gated_delta_rule", 1, 300, 1, 64, 64, HV=2, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, l2norm=True),

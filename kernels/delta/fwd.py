@@ -21,6 +21,7 @@ import tilelang.language as T
 from kernels.common import (
     chunk_output_and_update,
     delta_loads,
+    initial_state,
     output_chunk,
     output_from_p,
     stage_loads,
@@ -32,6 +33,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows:
     states `h` among its outputs under `store_h` (TileLang varies a parameter list so); `g_rows`:
     G as per-chunk rows `[NT, HV, BT]`."""
     L, H, HV, N, NT = dims
+    N0 = T.dynamic("N0")  # (the initial states' rows: none where the call has none, `initial_state`)
     acc = "float32"
     gshape = (NT, HV, 64) if g_rows else (L, HV)  # (G as per-chunk rows, BT = 64)
     if store_h:
@@ -43,7 +45,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows:
             w: T.Tensor((L, HV, K), dtype),
             u: T.Tensor((L, HV, V), dtype),
             g: T.Tensor(gshape, acc),
-            h0: T.Tensor((N, HV, K, V), acc),
+            h0: T.Tensor((N0, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
             scale: T.float32,
@@ -63,7 +65,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows:
             w: T.Tensor((L, HV, K), dtype),
             u: T.Tensor((L, HV, V), dtype),
             g: T.Tensor(gshape, acc),
-            h0: T.Tensor((N, HV, K, V), acc),
+            h0: T.Tensor((N0, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
             scale: T.float32,
@@ -107,7 +109,7 @@ def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 6
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
             c0 = cstart[n]
-            T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
+            initial_state(h0, b_h, n, ihv, iv)
             for i in T.Pipelined(ccount[n], num_stages=stages):
                 t0 = (c0 + i) * BT
                 T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
@@ -205,7 +207,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                 stage_loads(loads, full, free, nc, stages, c0, 1, singles, one_full, one_free)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
-                T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                initial_state(h0, b_h, n, ihv, iv)
                 for i in T.serial(nc):
                     slot = i % stages
                     t0 = (c0 + i) * BT
@@ -416,11 +418,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                     T.barrier_arrive(p_ready[slot])
             with T.ws(0):
                 T.set_max_nreg(200, 1)
-                if transposed:
-                    for r, c in T.Parallel(BV, K):
-                        b_h[r, c] = h0[n, ihv, c, iv * BV + r]
-                else:
-                    T.copy(h0[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                initial_state(h0, b_h, n, ihv, iv, transposed)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
@@ -556,8 +554,7 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                 stage_loads(_t_loads(q, k, v, t, gr, q_s, k_s, v_s, t_s, gr_s, ih, ihv, iv), full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
-                for r, c in T.Parallel(BV, K):
-                    b_h[r, c] = h0[n, ihv, c, iv * BV + r]
+                initial_state(h0, b_h, n, ihv, iv, True)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
@@ -664,6 +661,7 @@ def _t_prim_func(body, *, K: int, V: int, dtype: str, BT: int, R: int, dims):
     """The prim_func of a pass from the inverse: `body(q, k, v, t, gr, h0, cstart, ccount, scale, o,
     ht)`, G and beta (and the l2norm factors) as the rows of `gr [NT, HV, R, BT]`."""
     L, H, HV, N, NT = dims
+    N0 = T.dynamic("N0")  # (the initial states' rows: none where the call has none, `initial_state`)
     acc = "float32"
 
     @T.prim_func
@@ -673,7 +671,7 @@ def _t_prim_func(body, *, K: int, V: int, dtype: str, BT: int, R: int, dims):
         v: T.Tensor((L, HV, V), dtype),
         t: T.Tensor((NT, HV, BT, BT), dtype),
         gr: T.Tensor((NT, HV, R, BT), acc),
-        h0: T.Tensor((N, HV, K, V), acc),
+        h0: T.Tensor((N0, HV, K, V), acc),
         cstart: T.Tensor((N,), "int32"),
         ccount: T.Tensor((N,), "int32"),
         scale: T.float32,

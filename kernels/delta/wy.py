@@ -18,7 +18,7 @@ give `T = I`, `w = u = 0`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once
+from kernels.common import arrive_once, scan_fetch, scan_store
 
 
 def _hi_lo(BT: int, dtype: str, *, scaled: bool):
@@ -41,7 +41,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                    blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
                    late_v: bool | None = None, warp_diagonal: bool = True, tma_loads: bool = True,
                    tma_stores: bool = True, inverse_only: bool = False, l2norm: bool = False, gate_rows: bool = False,
-                   pad_rows: bool | None = None, min_blocks: int = 0):
+                   pad_rows: bool | None = None, min_blocks: int = 0, g_scan: bool = False):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -75,7 +75,9 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     the input dtype too); no v, no gates, no w and u. The gated inverse is
     `T = T0 * exp(G_i - G_j)` (`T = D T0 D^-1` with `D = Diag(exp(G))`), which the state pass forms.
     `gate_rows` (with `inverse_only`): also reads G and writes the chunk's G and beta as the rows of
-    `gr [NT, HV, R, C]` (float32) for the state pass to load by TMA (`chunk_delta_fwd_t(gate_rows=True)`).
+    `gr [NT, HV, R, C]` (float32) for the state pass to load by TMA (`chunk_delta_fwd_t(gate_rows=True)`);
+    with `g_scan` g holds the gates per step, which its first warp sums within the chunk
+    (`kernels.common.scan_store`; XLA's cumulative sum took three launches before it).
     `l2norm` (with `gate_rows`; `use_qk_l2norm_in_kernel` with no gradient): from the raw q and
     k, T0 of the normalised k, `K K^T` scaled by `r_i r_j` with `r = 1 / sqrt(|k|^2 + 1e-6)` read
     off its own diagonal, and two more rows of `gr` (R = 4): the chunk's `1 / |q|` (off `Q Q^T`'s
@@ -276,7 +278,10 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 r_s = T.alloc_shared((BT,), acc)
             if normalise:
                 rq_s = T.alloc_shared((BT,), acc)
-            if gate_rows:
+            if gate_rows and g_scan:  # this chunk's gates per step, read first
+                ga = T.alloc_local((4,), acc)
+                scan_fetch(lambda step: g[t0 + step, ihv], ga)
+            elif gate_rows:
                 gi_s = T.alloc_shared((BT,), acc)
             if not inverse_only:
                 v_s = T.alloc_shared((BT, V), dtype)
@@ -303,7 +308,11 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             if not inverse_only:
                 T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
-            if gate_rows:  # G and beta as rows of gr
+            if gate_rows and g_scan:  # G (summed here) and beta as rows of gr
+                scan_store(ga, gr, (ic, ihv, 0))
+                for a in T.Parallel(BT):
+                    gr[ic, ihv, 1, a] = b_s[a]
+            elif gate_rows:  # G and beta as rows of gr
                 T.copy(g[t0 : t0 + BT, ihv], gi_s, disable_tma=True)
                 for a in T.Parallel(BT):
                     gr[ic, ihv, 0, a] = gi_s[a]
@@ -513,7 +522,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
                        tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False, t_regs: bool = False,
-                       l2norm: bool = False, batched: bool = False):
+                       l2norm: bool = False):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -545,27 +554,15 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     that their latency runs beside the TMA loads': `wy_bwd_l2` 0.304 against 0.316 ms at
     4,4096,16,128 bf16 on an H200 (`wy_bwd` 0.286 either way). (The chunk's whole h in one load and
     dw in one product, `BVH = V`, measured 0.288 against 0.285 ms: not kept.)
-    `batched` (K <= 128, `t_regs`): the independent products of a step issued as one group of
-    tensor-core operations with one wait for all (jla's `_products`) instead of a wait after each:
-    `dw k^T` with `du v^T`; X's three; dA's three with `K K^T`; dvb's two; dkb's two; dk's four
-    (20 waits a program become 9); the same values."""
+    (Tried, 2026-12-05: each step's independent products issued as one group of tensor-core
+    operations with one wait for all, jla's `_products`, 21 waits a program become 9, through
+    `T.gemm(..., annotations={"wg_wait": -1})` and `T.warpgroup_fence_operand` on the accumulators
+    read after the group's wait: 0.299 against 0.301 ms at 4,4096,16,128, the same bits; not kept.)"""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
-    assert not batched or (t_regs and threads == 128), "batched is written for t_regs, one warpgroup"
 
     split = _hi_lo(BT, dtype, scaled=False)
-
-    def mm(a, b, c, *, transpose_A=False, transpose_B=False, wait=True):
-        """`T.gemm`; with `batched` and not `wait`, issued with no wait (a later product of the
-        group waits for all: `fence` its accumulator then)."""
-        if batched and not wait:
-            return T.gemm(a, b, c, transpose_A=transpose_A, transpose_B=transpose_B, annotations={"wg_wait": -1})
-        return T.gemm(a, b, c, transpose_A=transpose_A, transpose_B=transpose_B)
-
-    def fence(c):
-        """After a group's wait: the accumulator of a product issued with no wait is read only now."""
-        return T.warpgroup_fence_operand(c, num_regs=BT * BT // threads) if batched else None
 
     @T.macro
     def body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta):
@@ -646,33 +643,25 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 split(t_s, None, th_s, tl_s)
             # dT = (dw k^T) Diag(s) + (du v^T) Diag(beta), exact products
             T.clear(acc_c)
-            if batched:
-                T.clear(acc_c2)
-            mm(dw_s, k_s, acc_c, transpose_B=True, wait=False)
-            if not batched:
-                T.clear(acc_c2)
-            mm(du_s, v_s, acc_c2, transpose_B=True)
-            fence(acc_c)
+            T.gemm(dw_s, k_s, acc_c, transpose_B=True)
+            T.clear(acc_c2)
+            T.gemm(du_s, v_s, acc_c2, transpose_B=True)
             for a, b in T.Parallel(BT, BT):
                 acc_c[a, b] = acc_c[a, b] * b_s[b] * T.exp(g_s[b]) + acc_c2[a, b] * b_s[b]
             split(acc_c, None, xh_s, xl_s)
             # X = dT T^T
             T.clear(acc_c)
-            mm(xh_s, th_s, acc_c, transpose_B=True, wait=False)
-            mm(xh_s, tl_s, acc_c, transpose_B=True, wait=False)
-            mm(xl_s, th_s, acc_c, transpose_B=True)
+            T.gemm(xh_s, th_s, acc_c, transpose_B=True)
+            T.gemm(xh_s, tl_s, acc_c, transpose_B=True)
+            T.gemm(xl_s, th_s, acc_c, transpose_B=True)
             split(acc_c, None, xh_s, xl_s)
             # dA = -T^T X, strictly lower
             T.clear(acc_c)
-            if batched:
-                T.clear(acc_kk)
-            mm(th_s, xh_s, acc_c, transpose_A=True, wait=False)
-            mm(th_s, xl_s, acc_c, transpose_A=True, wait=False)
-            mm(tl_s, xh_s, acc_c, transpose_A=True, wait=False)
-            if not batched:
-                T.clear(acc_kk)
-            mm(k_s, k_s, acc_kk, transpose_B=True)
-            fence(acc_c)
+            T.gemm(th_s, xh_s, acc_c, transpose_A=True)
+            T.gemm(th_s, xl_s, acc_c, transpose_A=True)
+            T.gemm(tl_s, xh_s, acc_c, transpose_A=True)
+            T.clear(acc_kk)
+            T.gemm(k_s, k_s, acc_kk, transpose_B=True)
             for a, b in T.Parallel(BT, BT):  # Q = dA * E * KK^T
                 acc_c2[a, b] = T.if_then_else(a > b, -acc_c[a, b] * T.exp(g_s[a] - g_s[b]) * acc_kk[a, b], 0.0)
             T.reduce_sum(acc_c2, row, dim=1)
@@ -697,8 +686,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             split(acc_c, None, xh_s, xl_s)
             # dvb = T^T du; dv = dvb beta
             T.clear(acc_v)
-            mm(th_s, du_s, acc_v, transpose_A=True, wait=False)
-            mm(tl_s, du_s, acc_v, transpose_A=True)
+            T.gemm(th_s, du_s, acc_v, transpose_A=True)
+            T.gemm(tl_s, du_s, acc_v, transpose_A=True)
             if dvb_once:  # dv into the spent du tile first, then the row sums take the product
                 T.sync_threads()  # every warp's share of the product has read du_s
                 for a, b in T.Parallel(BT, V):
@@ -724,8 +713,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                     T.copy(acc_v, dv[t0 : t0 + BT, ihv, 0:V])
             # dkb = T^T dw; dk = dkb s + dkk k + dkk^T k
             T.clear(acc_k)
-            mm(th_s, dw_s, acc_k, transpose_A=True, wait=False)
-            mm(tl_s, dw_s, acc_k, transpose_A=True)
+            T.gemm(th_s, dw_s, acc_k, transpose_A=True)
+            T.gemm(tl_s, dw_s, acc_k, transpose_A=True)
             if tma_loads:  # dw_s is free: it takes dk0, in flight while the rest is formed
                 T.sync_threads()
                 T.tma_copy(dk0[t0 : t0 + BT, ihv, 0:K], dw_s, barrier=full[2])
@@ -740,10 +729,10 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 dg[t0 + a, ihv] = b_s[a] * T.exp(g_s[a]) * krow[a] + rg_s[a]
             for a, b in T.Parallel(BT, K):
                 acc_k[a, b] = acc_k[a, b] * b_s[a] * T.exp(g_s[a])
-            mm(xh_s, k_s, acc_k, wait=False)
-            mm(xl_s, k_s, acc_k, wait=False)
-            mm(xh_s, k_s, acc_k, transpose_A=True, wait=False)
-            mm(xl_s, k_s, acc_k, transpose_A=True)
+            T.gemm(xh_s, k_s, acc_k)
+            T.gemm(xl_s, k_s, acc_k)
+            T.gemm(xh_s, k_s, acc_k, transpose_A=True)
+            T.gemm(xl_s, k_s, acc_k, transpose_A=True)
             if tma_loads:
                 T.barrier_wait(full[2], 0)
             for a, b in T.Parallel(BT, K):

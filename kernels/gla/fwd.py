@@ -25,7 +25,7 @@ as `g` (every `G` is <= 0 and decreasing within a chunk).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once, publish_state, stage_loads
+from kernels.common import arrive_once, initial_state, publish_state, stage_loads
 
 NS = 16  # sub-chunk rows
 
@@ -238,7 +238,7 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
     Three stages where they fit (K <= 128; 0.093 against 0.106 ms for two at 4,4096,16,128 bf16
     on an H200), else two."""
     stages = stages or (3 if K <= 128 else 2)
-    L, H, N, NT = T.dynamic("L, H, N, NT")
+    L, H, N, NT, N0 = T.dynamic("L, H, N, NT, N0")  # (N0: the initial states' rows, none where the call has none)
     acc = "float32"
 
     @T.macro
@@ -269,7 +269,7 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
                 stage_loads(loads, full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
-                T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                initial_state(h0, b_h, n, ih, iv)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
@@ -307,7 +307,7 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
             v: T.Tensor((L, H, V), dtype),
             g: T.Tensor((L, H, K), acc),
             a: T.Tensor((NT, H, BT, BT), dtype),
-            h0: T.Tensor((N, H, K, V), acc),
+            h0: T.Tensor((N0, H, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
             scale: T.float32,
@@ -326,7 +326,7 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
             v: T.Tensor((L, H, V), dtype),
             g: T.Tensor((L, H, K), acc),
             a: T.Tensor((NT, H, BT, BT), dtype),
-            h0: T.Tensor((N, H, K, V), acc),
+            h0: T.Tensor((N0, H, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
             scale: T.float32,

@@ -24,6 +24,8 @@ import tilelang.language as T
 from kernels.common import (
     chunk_output_and_update,
     gate_load,
+    gate_scan_load,
+    initial_state,
     output_chunk,
     publish_state,
     stage_loads,
@@ -33,8 +35,10 @@ from kernels.common import (
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows: bool = False):
     """The prim_func of a forward pass `body` (a macro of the inputs and outputs), with the stored
     states `h` among its outputs under `store_h` (TileLang varies a parameter list so); with
-    `g_rows` G arrives as per-chunk rows `[NT, H, BT]` (BT = 64)."""
+    `g_rows` G arrives as per-chunk rows `[NT, H, BT]` (BT = 64). The initial states `h0` have
+    rows of their own (`N0`): none where the call has none (`kernels.common.initial_state`)."""
     L, H, N, NT = dims
+    N0 = T.dynamic("N0")
     acc = "float32"
     gshape = (NT, H, 64) if g_rows else (L, H)
     if store_h:
@@ -45,7 +49,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows:
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, H, V), dtype),
             g: T.Tensor(gshape, acc),
-            h0: T.Tensor((N, H, K, V), acc),
+            h0: T.Tensor((N0, H, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
             scale: T.float32,
@@ -63,7 +67,7 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows:
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, H, V), dtype),
             g: T.Tensor(gshape, acc),
-            h0: T.Tensor((N, H, K, V), acc),
+            h0: T.Tensor((N0, H, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
             scale: T.float32,
@@ -106,7 +110,7 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
             acc_o = T.alloc_fragment((BT, BV), acc)
             acc_s = T.alloc_fragment((BT, BT), acc)
             c0 = cstart[n]
-            T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
+            initial_state(h0, b_h, n, ih, iv)
             for i in T.Pipelined(ccount[n], num_stages=stages):
                 t0 = (c0 + i) * BT
                 T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
@@ -125,14 +129,15 @@ def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, thr
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT), g_rows=g_rows)
 
 
-def _loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows=False):
+def _loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows=False, g_scan=False):
     """`stage_loads`' list for the warp-specialized passes: q, k, the V block `iv` of v (TMA),
-    then G (`kernels.common.gate_load`)."""
+    then G (`kernels.common.gate_load`, or with `g_scan` summed from the per-step gates,
+    `gate_scan_load`)."""
     BT, K = (int(d) for d in q_s.shape[1:])
     BV = int(v_s.shape[2])
     rows = lambda c: slice(c * BT, c * BT + BT)
     return ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: k[rows(c), ih, 0:K], k_s, True),
-            (lambda c: v[rows(c), ih, iv * BV : (iv + 1) * BV], v_s, True), gate_load(g, g_s, ih, g_rows))
+            (lambda c: v[rows(c), ih, iv * BV : (iv + 1) * BV], v_s, True), gate_scan_load(g, g_s, ih) if g_scan else gate_load(g, g_s, ih, g_rows))
 
 
 @T.macro
@@ -158,7 +163,7 @@ def _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot, fv=None, v_r=None):
 
 
 def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
-              g_rows: bool = False):
+              g_rows: bool = False, g_scan: bool = False):
     """The one-pass forward, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
@@ -167,7 +172,10 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
       the input dtype to shared memory (and, with `store_h`, to `h` by a TMA store that runs
       while it works), then `S <- exp(G_C) S + k^T (v * exp(G_C - G))`;
     * warpgroup 1 computes `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while warpgroup 0 works,
-      then `o = scale (q * exp(G)) S + P v` from the published state, and stores it."""
+      then `o = scale (q * exp(G)) S + P v` from the published state, and stores it.
+
+    `g_scan`: g holds the gates per step, which warpgroup 2 sums within each chunk as it loads them
+    (`kernels.common.gate_scan_load`)."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
 
@@ -194,10 +202,10 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(2):
-                stage_loads(_loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows), full, free, nc, stages, c0, 1)
+                stage_loads(_loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows, g_scan), full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(232, 1)
-                T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                initial_state(h0, b_h, n, ih, iv)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
@@ -219,7 +227,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
 
 
 def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
-                   g_rows: bool = False, row_factors: bool = False):
+                   g_rows: bool = False, row_factors: bool = False, g_scan: bool = False):
     """`chunk_fwd` with two output warpgroups taking alternate chunks (512 threads): warpgroup 3
     streams the loads into `stages` stages, warpgroup 0 runs the state chain and publishes chunk i's
     state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage `i % stages`
@@ -229,7 +237,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
     storing h 0.148 / 0.221 against 0.180 / 0.255; at 8,2048,16,64 0.073 against 0.075, storing
     h 0.098 against 0.085 (so not dispatched there). `stages`: the loads' pipeline depth (chunk i
     in stage `i % stages`; three and four built as experiments). `row_factors`: warpgroup 0 forms
-    `exp(G_C - G)` once per row (`_state_update`); the same bits."""
+    `exp(G_C - G)` once per row (`_state_update`); the same bits. `g_scan`: as `chunk_fwd`'s."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
 
@@ -264,10 +272,10 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(3):
-                stage_loads(_loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows), full, free, nc, stages, c0, 1)
+                stage_loads(_loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows, g_scan), full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(200, 1)
-                T.copy(h0[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_h)
+                initial_state(h0, b_h, n, ih, iv)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
