@@ -18,6 +18,12 @@ OPS = {
 }
 
 
+# the tilelang forward's programs that sum the gates per step themselves (kernels/variants.py G_SCAN), as
+# `tilelang_backend.EXPERIMENT_OVERRIDES` entries that put them in the dispatched programs' place
+GATE_SCAN_EXPERIMENTS = {("simple_gla", "fwd", "fused"): "x_fused_scan", ("delta", "fwd", "inv"): "x_inv_scan",
+                         ("delta", "fwd", "inv_l2"): "x_inv_l2_scan"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     op: str

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cases import Case
+from cases import Case, forward_outputs, loss_and_outputs, make_inputs
 from ref64 import naive
 
 
@@ -27,6 +27,17 @@ def reference_grads(case: Case, diff: dict, cot: dict):
     """`(grads, (o, ht))` of the float64 reference for the same loss the tests use."""
     f64 = {n: jnp.asarray(a, jnp.float64) for n, a in diff.items()}
     return _ref_fn(case)(f64, {n: jnp.asarray(a, jnp.float64) for n, a in cot.items()})
+
+
+def errors_against_float64(case: Case, seed: int, backend: str = "tilelang") -> dict[str, float]:
+    """`err_ratio` against the float64 reference of o and ht under a gradient (`o`, `ht`) and with
+    none (`o fwd`, `ht fwd`: the forward's own programs), and of every gradient (`d<name>`)."""
+    diff, cot = make_inputs(case, seed)
+    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    grads, (o, ht) = loss_and_outputs(case, backend)(diff, cot)
+    fo, fht = forward_outputs(case, backend)(diff)
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht), "o fwd": err_ratio(ref_o, fo), "ht fwd": err_ratio(ref_ht, fht)}
+    return errs | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff}
 
 
 @functools.lru_cache(maxsize=None)

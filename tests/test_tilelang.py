@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import fla_jax
-from cases import DELTA_BWD_MODES, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
-from check import err_ratio, reference_grads
+from cases import DELTA_BWD_MODES, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
+from check import err_ratio, errors_against_float64, reference_grads
 from fla_jax import _problem, tilelang_backend
 from kernels import variants
 
@@ -102,12 +102,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_tilelang_matches_float64(case, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)  # unwritten outputs stay NaN
-    diff, cot = make_inputs(case, 11)
-    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
-    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
-    fo, fht = forward_outputs(case, "tilelang")(diff)  # with no gradient: programs of its own (simple GLA's sums the gates)
-    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht), "o fwd": err_ratio(ref_o, fo), "ht fwd": err_ratio(ref_ht, fht)}
-    errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
+    errs = errors_against_float64(case, 11)  # (o, ht also with no gradient: the forward's own programs)
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     bad = {n: e for n, e in errs.items() if not e <= (0.004 if n[0] in "oh" else 0.005)}
     assert not bad, bad
@@ -236,9 +231,6 @@ NO_H0_GPU_CASES = [
     Case("gated_delta_rule", 2, 300, 2, 128, 128, dtype="bfloat16"),
     Case("delta_rule", 2, 500, 2, 128, 128, dtype="bfloat16"),
 ]
-# the forward's programs that sum the gates per step themselves (G_SCAN), where built (bf16; K = 64, 128)
-SCAN_OVERRIDES = {("simple_gla", "fwd", "fused"): "x_fused_scan", ("delta", "fwd", "inv"): "x_inv_scan",
-                  ("delta", "fwd", "inv_l2"): "x_inv_l2_scan"}
 
 
 @on_hopper
@@ -253,15 +245,10 @@ def test_tilelang_without_initial_state(case, scan, monkeypatch):
     dbeta and dg 0.02)."""
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
-    if scan:
-        for key, name in SCAN_OVERRIDES.items():
+    if scan:  # (where built: bf16, K = 64, 128)
+        for key, name in GATE_SCAN_EXPERIMENTS.items():
             monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
-    diff, cot = make_inputs(case, 23)
-    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
-    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
-    fo, fht = forward_outputs(case, "tilelang")(diff)
-    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht), "o fwd": err_ratio(ref_o, fo), "ht fwd": err_ratio(ref_ht, fht)}
-    errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
+    errs = errors_against_float64(case, 23)
     print(case, scan, {n: f"{e:.1e}" for n, e in errs.items()})
     delta = case.op in ("delta_rule", "gated_delta_rule")
     limit = lambda n: (0.006 if delta else 0.004) if n[0] in "oh" else 0.02 if delta and n in ("dbeta", "dg") else 0.008 if delta else 0.005

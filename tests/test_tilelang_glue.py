@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cases import DELTA_BWD_MODES, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
-from check import err_ratio, reference_grads
+from cases import DELTA_BWD_MODES, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
+from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _backends, tilelang_backend, xla
 from fla_jax._problem import Problem
@@ -110,15 +110,9 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, emulated, monkey
     monkeypatch.setattr(tilelang_backend, "_call", record)
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
     monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
-    for key, name in (((("simple_gla", "fwd", "fused"), "x_fused_scan"), (("delta", "fwd", "inv"), "x_inv_scan"),
-                       (("delta", "fwd", "inv_l2"), "x_inv_l2_scan"))):
+    for key, name in GATE_SCAN_EXPERIMENTS.items():
         monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
-    diff, cot = make_inputs(case, 41)
-    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
-    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
-    fo, fht = forward_outputs(case, "tilelang")(diff)
-    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht), "o fwd": err_ratio(ref_o, fo), "ht fwd": err_ratio(ref_ht, fht)}
-    errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
+    errs = errors_against_float64(case, 41)
     print(case, names, {n: f"{e:.1e}" for n, e in errs.items()})
     assert rows and set(rows) == {0}, rows
     scans = {"simple_gla": {"x_fused_scan"}, "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"})
