@@ -250,17 +250,9 @@ EXPERIMENT_OVERRIDES: dict[tuple[str, str, str], str] = {}
 
 
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
-    """{program name: FFI target} of one variant."""
-    op = "delta" if p.delta else p.op
-    variant = _find_variant(op, direction, p.dtype, K, V)
-    targets = {prog.name: variant.target(prog) for prog in variant.programs}
-    if EXPERIMENT_OVERRIDES:
-        from kernels.variants import EXPERIMENTS
-
-        for prog in EXPERIMENTS.get((op, direction, variant.dtype, K), ()):
-            if EXPERIMENT_OVERRIDES.get((op, direction, prog.kind)) == prog.name:
-                targets[prog.kind] = variant.target(prog)
-    return targets
+    """{program name: FFI target} of one variant, each kind's the program that runs (`_program`)."""
+    variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, V)
+    return {prog.name: variant.target(prog if prog.of else _program(p, direction, K, prog.name)) for prog in variant.programs}
 
 
 def _program(p: Problem, direction: str, K: int, name: str):
@@ -272,6 +264,11 @@ def _program(p: Problem, direction: str, K: int, name: str):
     return chosen or next(prog for prog in variant.programs if prog.name == name and not prog.of)
 
 
+def _config(p: Problem, direction: str, K: int, name: str) -> dict:
+    """The config of the program of one kind that runs (`_program`)."""
+    return dict(_program(p, direction, K, name).config)
+
+
 def _gate_rows(G, C: int):
     """The in-chunk cumulative gates `G [L, H]` as per-chunk rows `[NT, H, C]` (an XLA transpose)."""
     return G.reshape(-1, C, G.shape[-1]).transpose(0, 2, 1)
@@ -280,7 +277,7 @@ def _gate_rows(G, C: int):
 def _gates_for(p: Problem, direction: str, K: int, name: str, G, C: int):
     """`G [L, H]` as program `name` takes it: as it is, or where it loads it by TMA (`g_rows`) as
     per-chunk rows (`_gate_rows`)."""
-    return _gate_rows(G, C) if dict(_program(p, direction, K, name).config).get("g_rows") else G
+    return _gate_rows(G, C) if _config(p, direction, K, name).get("g_rows") else G
 
 
 def _value_parts(p: Problem, K: int, V: int) -> int:
@@ -288,7 +285,7 @@ def _value_parts(p: Problem, K: int, V: int) -> int:
     1 (dv in the input dtype), or K / BK where it splits the key channels over programs (dv as
     `[parts, L, HV, V]`, and but for GLA, whose dg is per channel, dg as `[parts, L, HV]`)."""
     del V  # (variants have K = V)
-    return K // dict(_program(p, "bwd", K, "dqkvg").config).get("BK", K)
+    return K // _config(p, "bwd", K, "dqkvg").get("BK", K)
 
 
 def _consumer(p: Problem, target: str, results, *args, scale):
@@ -353,7 +350,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         t0 = jax.ShapeDtypeStruct((NT, HV, C, C), dt)
         rows = lambda R: jax.ShapeDtypeStruct((NT, HV, R, C), jnp.float32)
         inv = "inv_l2" if l2norm else "inv"
-        gates = graw if dict(_program(p, "fwd", K, inv).config).get("g_scan") else Gf  # (summed by the kernel, or by XLA)
+        gates = graw if _config(p, "fwd", K, inv).get("g_scan") else Gf  # (summed by the kernel, or by XLA)
         if l2norm:  # G, beta, 1 / |q|, 1 / |k| per chunk and value head, rows that the state pass loads
             t0, gr = _call(targets[inv], (t0, rows(4)), qf, kf, gates, flat[4])
         else:  # G and beta
@@ -384,7 +381,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     else:  # simple GLA: G as per-chunk rows `[NT, H, C]` where the pass loads them by TMA (`g_rows`), the
         # gates per step where it sums them itself (`g_scan`)
         name = "fused_h" if store_h else "fused"
-        scan = not store_h and dict(_program(p, "fwd", K, name).config).get("g_scan")
+        scan = not store_h and _config(p, "fwd", K, name).get("g_scan")
         ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C)), ()
         pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
         if pieces > 1:

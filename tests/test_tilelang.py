@@ -271,6 +271,8 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, g_scan: bool | None 
     per_chunk = lambda a: jnp.moveaxis(a.reshape(NT, 64, H), 1, 2)  # [L, H] -> rows [NT, H, 64]
     prob = _problem.Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
     gates_for = lambda direction: tilelang_backend._gates_for(prob, direction, D, name, G, 64)  # G as program `name` takes it
+    # the forward's program `name` takes the gates per step (and sums them itself)
+    takes_steps = lambda: tilelang_backend._config(prob, "fwd", D, name).get("g_scan") if g_scan is None else g_scan
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
@@ -298,8 +300,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, g_scan: bool | None 
         h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
         scale = {"scale": np.float32(D**-0.5)}
         if op == "simple_gla":  # (G summed, or the gates per step where the program sums them, `g_scan`)
-            scan = dict(tilelang_backend._program(prob, "fwd", D, name).config).get("g_scan") if g_scan is None else g_scan
-            return (like(v), *h, like(h0)), (q, k, v, steps.reshape(L, H) if scan else gates_for("fwd"), h0, cstart, ccount), scale
+            return (like(v), *h, like(h0)), (q, k, v, steps.reshape(L, H) if takes_steps() else gates_for("fwd"), h0, cstart, ccount), scale
         k = unit(k)
         w = (k.astype(jnp.float32) * 0.5).astype(dtype)  # w, u: T (k beta e^G) and T (v beta) in scale
         return (like(v), like(v), *h, like(h0)), (q, k, w, v, gates_for("fwd"), h0, cstart, ccount), scale
@@ -324,8 +325,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, g_scan: bool | None 
         q, v, beta = x(L, H, D), x(L, H, D), jnp.asarray(rng.uniform(size=(L, H)), jnp.float32)
         k = unit(x(L, H, D)) if name == "inv" else x(L, H, D)
         t0, r = jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), jax.ShapeDtypeStruct((L, H), jnp.float32)
-        scan = dict(tilelang_backend._program(prob, "fwd", D, name).config).get("g_scan") if g_scan is None else g_scan
-        gates = steps.reshape(L, H) if scan else G
+        gates = steps.reshape(L, H) if takes_steps() else G
         if name == "inv":
             return (t0, jax.ShapeDtypeStruct((NT, H, 2, 64), jnp.float32)), (k, gates, beta), {}
         if name == "inv_l2":
