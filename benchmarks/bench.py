@@ -183,8 +183,9 @@ def main(argv=None):
                     help="tilelang delta rules: the forward with no gradient through the WY kernel's w and u (DELTA_FWD_INVERSE off)")
     ap.add_argument("--delta-fwd-inverse", default=None, metavar="K,K",
                     help="tilelang delta rules: the head dims whose forward with no gradient is the inverse's (DELTA_FWD_INVERSE)")
-    ap.add_argument("--zero-row-h0", action="store_true",
-                    help="tilelang: calls with no initial state give the passes h0 with no rows (ZERO_ROW_H0)")
+    ap.add_argument("--zero-rows", action="store_true",
+                    help="tilelang: calls with no initial state give the passes h0 with no rows (ZERO_ROW_H0), and the reverse "
+                         "passes no dht (a loss of o alone) and no dh0 (ZERO_ROW_DHT)")
     ap.add_argument("--experiments", default="",
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
@@ -195,8 +196,8 @@ def main(argv=None):
         if len(where.split(".")) != 3 or not name:
             ap.error(f"--experiments: {item!r} is not op.direction.program=experiment")
         tilelang_backend.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
-    if args.zero_row_h0:
-        tilelang_backend.ZERO_ROW_H0 = True
+    if args.zero_rows:
+        tilelang_backend.ZERO_ROW_H0 = tilelang_backend.ZERO_ROW_DHT = True
     if args.delta_xla_vjps:
         tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = False
     if args.delta_fwd_inverse is not None:

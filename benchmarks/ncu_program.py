@@ -136,8 +136,9 @@ def _fill(name, dtype, shape, rng, T, per_chunk=False):
 def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: int = 0):
     meta = json.loads((gen / f"{target}.json").read_text())
     rng = np.random.default_rng(seed)
-    # (NS, M: simple GLA's `enter`, one piece per sequence, the whole sequence)
-    dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_N0": B, "d_R": B * T, "d_NS": B, "d_M": T // 64}
+    # (NS, M: simple GLA's `enter`, one piece per sequence, the whole sequence; N0, ND: h0 / dh0 and dht, a row each)
+    dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_N0": B, "d_ND": B, "d_R": B * T, "d_NS": B,
+            "d_M": T // 64}
     sym = {k[2:]: v for k, v in dims.items()}
     ptrs, scalars = {}, {}
     for p in meta["params"]:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). After the twenty-third session (2026-12-05, no GPU lent after its first
-# call): calls with no initial state giving the state passes `h0` with no rows (ZERO_ROW_H0, off until
-# run here) and the forward's programs that sum the gates per step themselves (the G_SCAN experiments
-# x_fused_scan, x_inv_scan, x_inv_l2_scan: XLA's cumulative sum, and for simple GLA its transpose, go).
-# SEL's default runs the ops' float64 cases (the forward with no gradient among them), those of no
-# initial state with and without the experiments in place, and the experiments against the
-# dispatched programs. NEW=1 adds the ops timed with both in place (`--zero-row-h0 --experiments`)
+# session for what is owed). After the twenty-fourth session (2026-12-05, no GPU lent since the
+# twenty-third's first call): calls with no initial state giving the state passes `h0` with no rows
+# (ZERO_ROW_H0), the reverse passes no `dht` under a loss of o alone and no `dh0` (ZERO_ROW_DHT; both
+# off until run here), and the programs that sum the gates per step themselves (the G_SCAN
+# experiments x_fused_scan, x_inv_scan, x_inv_l2_scan, x_wy_t_l2_scan: XLA's cumulative sum, and its
+# transpose to rows, go) and the WY VJP that sums their gradient back (x_wy_bwd_l2_sum: XLA's add and
+# reverse sum go). SEL's default runs the ops' float64 cases (the forward with no gradient among
+# them), those of no initial state with and without the experiments in place, and the experiments
+# against the dispatched programs. NEW=1 adds the ops timed with all in place (`--zero-rows --experiments`)
 # after BENCH's as dispatched. PROGS / PROGS2 time programs by target name (OLD=dir copies in a
 # previous build's cubins as old_*), NCU profiles them, PROFILE lists an op's kernels and XLA's glue.
 # Two halves:
@@ -72,10 +74,11 @@ if [ -n "${BENCH:-}" ]; then
   timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang,jla:mosaic_gpu \
     --json "$O/bench.json" 2>&1 | grep -E "^\|" > "$O/bench.txt"
   cat "$O/bench.txt"
-  if [ -n "${NEW:-}" ]; then  # the same ops with ZERO_ROW_H0 and the G_SCAN experiments in place
+  if [ -n "${NEW:-}" ]; then  # the same ops with ZERO_ROW_H0, ZERO_ROW_DHT and the gate-summing experiments in place
     X=simple_gla.fwd.fused=x_fused_scan,delta.fwd.inv=x_inv_scan,delta.fwd.inv_l2=x_inv_l2_scan
+    X=$X,delta.fwd.wy_t_l2=x_wy_t_l2_scan,delta.bwd.wy_bwd_l2=x_wy_bwd_l2_sum
     timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang \
-      --zero-row-h0 --experiments $X --json "$O/bench_new.json" 2>&1 | grep -E "^\|" > "$O/bench_new.txt"
+      --zero-rows --experiments $X --json "$O/bench_new.json" 2>&1 | grep -E "^\|" > "$O/bench_new.txt"
     cat "$O/bench_new.txt"
   fi
   if [ -n "${INV:-}" ]; then  # the same ops with DELTA_FWD_INVERSE = $INV (e.g. 64,128,256)

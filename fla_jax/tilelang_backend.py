@@ -105,6 +105,11 @@ SPLIT_MIN_CHUNKS = 8
 # (1.9 us and a launch at 4,4096,16,128). Built 2026-12-05 and run on CPU only (no GPU lent since):
 # off until the GPU tests have run it (`test_tilelang_without_initial_state`); XLA's zeros when off.
 ZERO_ROW_H0 = False
+# Likewise the reverse passes: where the loss takes no final state (its cotangent a symbolic zero) they
+# get `dht` with no rows and start from zeros, and where the call has no initial state they write no
+# `dh0` (`kernels.common.final_state`): XLA's `[N, H, K, V]` zeros in every training step that uses o
+# alone go. Built 2026-12-05, CPU only; off until the GPU tests have run it.
+ZERO_ROW_DHT = False
 
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
@@ -274,6 +279,20 @@ def _gate_rows(G, C: int):
     return G.reshape(-1, C, G.shape[-1]).transpose(0, 2, 1)
 
 
+def _stores_gate_rows(p: Problem, K: int) -> bool:
+    """Whether the forward under a gradient hands the backward G's per-chunk rows (`_gate_rows`, as
+    `[B, NT_b, HV, C]`): the delta rules' where both their forward storing h and their reverse pass
+    load them by TMA (`g_rows`, K <= 128), so that they are formed once (by XLA's transpose, or by
+    the WY kernel where it sums the gates, `g_scan`)."""
+    return p.delta and all(_config(p, d, K, name).get("g_rows", False) for d, name in (("fwd", "fused_h"), ("bwd", "dh")))
+
+
+def _wy_name(store_h: bool, l2norm: bool) -> str:
+    """The delta rules' WY kernel of the forward: under a gradient storing T (from the raw q and k
+    with `l2norm`), else w and u alone."""
+    return ("wy_t_l2" if l2norm else "wy_t") if store_h else "wy"
+
+
 def _gates_for(p: Problem, direction: str, K: int, name: str, G, C: int):
     """`G [L, H]` as program `name` takes it: as it is, or where it loads it by TMA (`g_rows`) as
     per-chunk rows (`_gate_rows`)."""
@@ -320,15 +339,16 @@ def _like(x, dtype=None, heads=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype or x.dtype)
 
 
-def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool, *arrays):
-    """`(o, ht)`, or with `store_h` `(o, h, *wy, ht)`: h `[B, NT, HV, K, V]`, the state before each
-    chunk, and for the backward wy: for the delta rules the WY preparation's `w, u` (rows like v),
-    `T` (`[B, NT, HV, C, C]`) and `v_new` (rows like v), for GLA the intra-chunk matrix A
-    (`[B, NT, H, C, C]`). `arrays`: the token arrays (the gates per step with no gradient, but
-    for GLA the in-chunk sums under one), h0 where `has_h0`, the varlen tables. `l2norm`: q and k
-    raw, normalised by the kernels (the forward from the inverse, `_folds_l2norm`; under a gradient
-    the WY kernel `wy_t_l2`, `_folds_l2norm_h`, and then the normalised q, k and their `1 / |x|`
-    follow wy among the results)."""
+def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool, store_rows: bool, *arrays):
+    """`(o, ht)`, or with `store_h` `(o, h, *wy, *sums, ht)`: h `[B, NT, HV, K, V]`, the state
+    before each chunk, and for the backward wy: for the delta rules the WY preparation's `w, u`
+    (rows like v), `T` (`[B, NT, HV, C, C]`) and `v_new` (rows like v), for GLA the intra-chunk
+    matrix A (`[B, NT, H, C, C]`); but for GLA (whose wy holds them) sums: the in-chunk sums G
+    (rows like the gates) and where `store_rows` (`_stores_gate_rows`) their per-chunk rows
+    `[B, NT_b, HV, C]`. `arrays`: the token arrays (the gates per step), h0 where `has_h0`, the
+    varlen tables. `l2norm`: q and k raw, normalised by the kernels (the forward from the inverse,
+    `_folds_l2norm`; under a gradient the WY kernel `wy_t_l2`, `_folds_l2norm_h`, and then the
+    normalised q, k and their `1 / |x|` follow wy among the results)."""
     n = len(_token_layouts(p))
     tokens, h0, tables = arrays[:n], arrays[n] if has_h0 else None, arrays[n + has_h0 :]
     C = p.chunk_size
@@ -339,12 +359,14 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     state = jax.ShapeDtypeStruct((cstart.shape[0], HV, K, V), jnp.float32)  # ht
     if h0 is None:  # no rows: the kernels start from zero states (`kernels.common.initial_state`)
         h0 = jnp.zeros((0 if ZERO_ROW_H0 else cstart.shape[0], HV, K, V), jnp.float32)
-    graw = Gf  # the gates per step where no gradient is taken: their in-chunk sums by XLA where a kernel takes those
-    if not store_h and p.op != "gla":
+    graw = Gf  # the gates per step: their in-chunk sums by XLA where a kernel takes those
+    # (under a gradient the delta rules' WY kernel may sum them and write G and its rows, `g_scan`)
+    wy_scan = store_h and p.delta and _config(p, "fwd", K, _wy_name(store_h, l2norm)).get("g_scan", False)
+    if p.op != "gla" and not wy_scan:
         Gf = _in_chunk_cumsum(graw, C)
     dt = qf.dtype
     NT = qf.shape[0] // C
-    wy = ()
+    wy, grows = (), None
     if p.delta and K in DELTA_FWD_INVERSE and not store_h:  # T0, and a state pass that forms v_new from it
         targets = _targets(p, "fwd", K, V)
         t0 = jax.ShapeDtypeStruct((NT, HV, C, C), dt)
@@ -362,15 +384,24 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     norms = ()
     if p.delta:  # WY preparation kernel; the state pass reads w and u instead of v
         tm = (jax.ShapeDtypeStruct((NT, HV, C, C), jnp.float32),) if store_h else ()
+        # (`g_scan`: from the gates per step, and G and its rows among its results)
+        sum_shapes = (_like(graw), jax.ShapeDtypeStruct((NT, HV, C), jnp.float32)) if wy_scan else ()
+        wy_target = _targets(p, "fwd", K, V)[_wy_name(store_h, l2norm)]
         if l2norm:  # (`wy_t_l2`) from the raw q and k; their normalised y and 1 / |x| for the passes after it
             r = jax.ShapeDtypeStruct(qf.shape[:2], jnp.float32)
-            *wy, qf, kf, rq, rk = _call(_targets(p, "fwd", K, V)["wy_t_l2"], (_like(kf, dt, HV), _like(vf), *tm, _like(qf), _like(kf), r, r),
-                                        qf, kf, vf, Gf, flat[4])
-            norms = tuple(x.reshape(B, Lr, *x.shape[1:]) for x in (qf, kf, rq, rk))
+            wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, _like(qf), _like(kf), r, r, *sum_shapes), qf, kf, vf,
+                       graw if wy_scan else Gf, flat[4])
         else:
-            wy = _call(_targets(p, "fwd", K, V)["wy_t" if store_h else "wy"], (_like(kf, dt, HV), _like(vf), *tm),
-                       kf, vf, Gf, flat[4])
-        ins, extra = (qf, kf, *wy[:2], _gates_for(p, "fwd", K, "fused_h" if store_h else "fused", Gf, C)), (_like(vf),)  # extra result: v_new
+            wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, *sum_shapes), kf, vf, graw if wy_scan else Gf, flat[4])
+        if wy_scan:
+            wy, (Gf, grows) = wy[:-2], wy[-2:]
+        if l2norm:
+            *wy, qf, kf, rq, rk = wy
+            norms = tuple(x.reshape(B, Lr, *x.shape[1:]) for x in (qf, kf, rq, rk))
+        name = "fused_h" if store_h else "fused"
+        if grows is None and (store_rows or _config(p, "fwd", K, name).get("g_rows")):  # (XLA's transpose)
+            grows = _gate_rows(Gf, C)
+        ins, extra = (qf, kf, *wy[:2], grows if _config(p, "fwd", K, name).get("g_rows") else Gf), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
     elif p.op == "gla":  # the intra-chunk matrix, G (both kept) and q exp(G), k exp(G_C - G) for the state pass
@@ -394,7 +425,10 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
     if p.delta and wy:  # and v_new, for the backward's consumer kernel
         wy = (*wy, out[1].reshape(B, Lr, HV, V))
-    return (out[0].reshape(B, Lr, HV, V), *h, *wy, *norms, out[-1])
+    sums = ()
+    if store_h and p.op != "gla":  # G for the backward (and its rows where its reverse pass takes them)
+        sums = (Gf.reshape(B, Lr, HV),) + ((grows.reshape(B, NT // B, HV, C),) if store_rows else ())
+    return (out[0].reshape(B, Lr, HV, V), *h, *wy, *norms, *sums, out[-1])
 
 
 def _state_pass_t(targets: dict, l2norm: bool, N: int, HV: int, V: int) -> str:
@@ -449,17 +483,21 @@ def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, G, B: int,
     return o.reshape(B, nt * C, H, V), S
 
 
-def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: bool, *arrays):
-    """Gradients of the token arrays and of h0, from (token arrays, h, *wy, *norms, tables, do,
-    dht); wy as `_forward` stores it (delta rules and GLA); with `l2norm` the token arrays hold the
+def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: bool, store_rows: bool, has_dht: bool, *arrays):
+    """Gradients of the token arrays (the gates' per step) and of h0, from (token arrays, h, *wy,
+    *norms, G's rows where `store_rows`, tables, do, dht where `has_dht`: none where the loss takes
+    no final state); wy as `_forward` stores it (delta rules and GLA), the token arrays with the
+    gates' in-chunk sums G in place of the gates (but GLA's); with `l2norm` they hold the
     normalised q and k, `norms` their `1 / |x|` (`[B, T, H]` float32), and the gradients are the
     raw q's and k's. `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE (read by
     `_forward`), DELTA_L2NORM_FUSED and the experiment overrides (read by `_targets` while this traces).
     h0's gradient only where `has_h0`."""
     fused, wy_kernel, _, norm_fused = switches[:4]
     n = len(_token_layouts(p))
-    m = n + 1 + len(_stored_layouts(p)) + (2 if l2norm else 0)
-    tokens, h, wy, tables, (do, dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-2], arrays[-2:]
+    m = n + 1 + len(_stored_layouts(p)) + (2 if l2norm else 0) + store_rows
+    ct = 1 + has_dht  # (do, and dht where the loss takes the final state)
+    tokens, h, wy, tables, (do, *dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-ct], arrays[-ct:]
+    wy, grows = (wy[:-1], wy[-1]) if store_rows else (wy, None)
     wy, norms = (wy[:-2], wy[-2:]) if l2norm else (wy, ())
     C = p.chunk_size
     B, Lr, _, K = tokens[0].shape
@@ -470,15 +508,21 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     hf = h.reshape(-1, *h.shape[2:])
     s = np.float32(scale)
     bwd = _targets(p, "bwd", K, V)
-    dht = dht.astype(jnp.float32)
+    N, state = cstart.shape[0], hf.shape[1:]
+    # none: the reverse passes start from zero states (no rows under ZERO_ROW_DHT) and (with no h0 either)
+    # write no dh0 (`kernels.common.initial_state`, `final_state`)
+    dht = dht[0].astype(jnp.float32) if has_dht else jnp.zeros((0 if ZERO_ROW_DHT else N, *state), jnp.float32)
+    dh0_like = jax.ShapeDtypeStruct((0 if ZERO_ROW_DHT and not has_h0 else N, *state), jnp.float32)
     rows = lambda x, dt: x.reshape(B, Lr, *x.shape[1:]).astype(dt)
     if not p.delta:  # simple GLA; GLA with the stored A, G and q exp(G) (its dqkvg returns the per-step gates' dg)
         qd = qf
         if p.op == "gla":
             wy, Gf, qd = wy[:1], wy[1].reshape(Gf.shape), wy[2].reshape(qf.shape)
-        dh, dh0 = _call(bwd["dh"], (_like(hf), _like(dht)), qd, dof, Gf, dht, cstart, ccount, scale=s)
+        dh, dh0 = _call(bwd["dh"], (_like(hf), dh0_like), qd, dof, Gf, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
         grads = _consumer(p, bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
+        if p.op != "gla":  # G's gradient -> the gates' per step
+            grads = (*grads[:3], _in_chunk_cumsum(grads[3], C, reverse=True))
         return (*(rows(g, g.dtype) for g in grads), *((dh0,) if has_h0 else ()))
     # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
     # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
@@ -488,8 +532,8 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     # value heads -> q/k heads (nothing where they are the same)
     group_sum = lambda x: x if HV == H else x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)
     # (with dv_new, `du`, the gradient of v_new that its chain forms)
-    dh, dh0, du = _call(bwd["dh"], (_like(hf), _like(dht), _like(vf)), qf, kf, wd, dof, _gates_for(p, "bwd", K, "dh", Gf, C), dht,
-                        cstart, ccount, scale=s)
+    gates = grows.reshape(-1, *grows.shape[2:]) if store_rows else _gates_for(p, "bwd", K, "dh", Gf, C)  # (rows the forward formed)
+    dh, dh0, du = _call(bwd["dh"], (_like(hf), dh0_like, _like(vf)), qf, kf, wd, dof, gates, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     heads = lambda x: _like(x, None, HV)
     # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
@@ -503,10 +547,12 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
         dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
         dkv = jnp.zeros(heads(kf).shape, kf.dtype)
+    summed = False  # whether the WY VJP kernel returns the gates' gradient per step (`dg_sum`)
     if wy_kernel:  # it forms dw = -du h^T itself (v_new = u - w h) and adds dkv to its dk
         outs = (heads(kf), _like(vf), _like(Gf), _like(Gf))
-        wy_bwd, rks = (bwd["wy_bwd_l2"], (rk,)) if k_norm else (bwd["wy_bwd"], ())
-        dk2, dv, dG2, dbeta = _call(wy_bwd, outs, kf, vf, Gf, flat[4], Tm, hf, du.astype(kf.dtype), dkv, *rks)
+        name, rks = ("wy_bwd_l2", (rk,)) if k_norm else ("wy_bwd", ())
+        summed = _config(p, "bwd", K, name).get("dg_sum", False)  # (then it takes the consumer's dG, and adds it)
+        dk2, dv, dG2, dbeta = _call(bwd[name], outs, kf, vf, Gf, flat[4], Tm, hf, du.astype(kf.dtype), dkv, *((dG,) if summed else ()), *rks)
         dk2 = group_sum(dk2)
     else:
         if fused:  # the XLA WY VJP takes dw = -du h^T
@@ -519,37 +565,45 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         dq = _norm_backward(p, qf, rq, dq.astype(qf.dtype))
     if l2norm and not k_norm:
         dk = _norm_backward(p, kf, rk, dk.astype(kf.dtype))
-    return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(dG + dG2, jnp.float32),
+    dg = dG2 if summed else _in_chunk_cumsum(dG + dG2, C, reverse=True)  # G's gradient -> the gates' per step
+    return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(dg, jnp.float32),
             rows(dbeta, jnp.float32), *((dh0,) if has_h0 else ()))
 
 
-def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool = False, has_h0: bool = True):
+def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool = False, has_h0: bool = True,
+                 store_rows: bool = False, has_dht: bool = True):
     """The forward (`fwd`, `fwd_h`: with stored states) or backward as one custom-partitioned
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
     states whole. The module's switches are read here, so that changing them takes effect.
     `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients;
     the forward (`fwd`, where `_folds_l2norm`) takes the raw q and k and normalises them itself.
-    `has_h0`: initial states among the arrays (and their gradient among the backward's results)."""
+    `has_h0`: initial states among the arrays (and their gradient among the backward's results).
+    `store_rows` (`fwd_h`, `bwd`): G's per-chunk rows among the forward's results and the
+    backward's arrays (`_stores_gate_rows`). `has_dht` (`bwd`): the final state's cotangent among
+    the arrays (none where the loss takes no final state)."""
     switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())),
-                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0)
-    return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, switches, VJP_PRECISION)
+                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0, ZERO_ROW_DHT)
+    return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, store_rows, has_dht, switches, VJP_PRECISION)
 
 
 @functools.cache
-def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool, has_h0: bool, switches: tuple, precision):
+def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool, has_h0: bool, store_rows: bool,
+                      has_dht: bool, switches: tuple, precision):
     del precision  # read by `_delta_local` and `_wy_vjp` while they trace; a key of the cache here
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
     tokens = _token_layouts(p)
+    rows = ("bchr",) if store_rows else ()  # G's per-chunk rows [B, NT_b, HV, C]
     if direction == "bwd":
         norms = ("bth", "bth") if l2norm else ()
-        ins, outs = tokens + ("bchkv",) + _stored_layouts(p) + norms + tables + ("bthv", state), tokens + (state,) * has_h0
-        fn = functools.partial(_backward, p, scale, switches, l2norm, has_h0)
+        ins, outs = tokens + ("bchkv",) + _stored_layouts(p) + norms + rows + tables + ("bthv",) + (state,) * has_dht, tokens + (state,) * has_h0
+        fn = functools.partial(_backward, p, scale, switches, l2norm, has_h0, store_rows, has_dht)
     else:
         ins = tokens + (state,) * has_h0 + tables
         norms = ("bthk", "bthk", "bth", "bth") if l2norm else ()  # (fwd_h from the raw q, k: their y and 1 / |x|)
-        outs = ("bthv", "bchkv") + _stored_layouts(p) + norms + (state,) if direction == "fwd_h" else ("bthv", state)
-        fn = functools.partial(_forward, p, scale, direction == "fwd_h", l2norm, has_h0)
+        sums = () if p.op == "gla" else ("bth",) + rows  # (fwd_h: G, and its rows)
+        outs = ("bthv", "bchkv") + _stored_layouts(p) + norms + sums + (state,) if direction == "fwd_h" else ("bthv", state)
+        fn = functools.partial(_forward, p, scale, direction == "fwd_h", l2norm, has_h0, store_rows)
     return _partition.batch_head_partitioned(fn, ins, outs)
 
 
@@ -569,8 +623,8 @@ def _folds_l2norm_h(p: Problem, K: int) -> bool:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _op(p, scale, l2norm, has_h0, *arrays):
     """`(o, ht)` from (token arrays, h0 where `has_h0`, varlen tables); gradients by the backward
-    kernels. The gates per step (GLA's too; the others' in-chunk sums are taken here, or by the
-    kernel that reads them). With `l2norm` q and k (the first two arrays) are l2-normalised first:
+    kernels. The gates per step (their in-chunk sums are taken inside the forward and backward,
+    `_forward` / `_backward`: by XLA, or by the kernel that reads them). With `l2norm` q and k (the first two arrays) are l2-normalised first:
     by the kernels where `_folds_l2norm`, else by XLA."""
     n = len(_token_layouts(p))
     folded = l2norm and _folds_l2norm(p, arrays[0].shape[-1])
@@ -580,31 +634,37 @@ def _op(p, scale, l2norm, has_h0, *arrays):
 
 
 def _op_fwd(p, scale, l2norm, has_h0, *arrays):
+    arrays = tuple(a.value for a in arrays)  # (`symbolic_zeros`: each a `CustomVJPPrimal`)
     n = len(_token_layouts(p))
     norms = ()
     folded = l2norm and _folds_l2norm_h(p, arrays[0].shape[-1])
     if l2norm and not folded:  # the normalised q, k in place of the raw ones, and 1 / |q|, 1 / |k| for the backward
         qn, kn, *norms = _norm_partitioned(p)(*arrays[:2])
         arrays = (qn, kn, *arrays[2:])
-    if p.op != "gla":  # the in-chunk sums G, which the kernels take under a gradient (GLA's form their own)
-        arrays = (*arrays[:3], _in_chunk_cumsum(arrays[3], p.chunk_size), *arrays[4:])
-    o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + has_h0, folded, has_h0)(*arrays)
+    store_rows = _stores_gate_rows(p, arrays[0].shape[-1])
+    o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + has_h0, folded, has_h0, store_rows)(*arrays)
+    rows = (wy.pop(),) if store_rows else ()
+    if p.op != "gla":  # the in-chunk sums G in place of the gates per step (GLA's are among wy)
+        arrays = (*arrays[:3], wy.pop(), *arrays[4:])
     if folded:  # (the WY kernel normalised them)
         *wy, qn, kn, rq, rk = wy
         arrays, norms = (qn, kn, *arrays[2:]), (rq, rk)
-    return (o, ht), (arrays[:n], h, (*wy, *norms), arrays[n + has_h0 :])
+    return (o, ht), (arrays[:n], h, (*wy, *norms, *rows), arrays[n + has_h0 :])
 
 
 def _op_bwd(p, scale, l2norm, has_h0, res, ct):
     tokens, h, wy, tables = res
-    do, dht = ct
-    grads = _partitioned(p, scale, "bwd", bool(tables), l2norm, has_h0)(*tokens, h, *wy, *tables, do.astype(tokens[0].dtype), dht)
-    if p.op != "gla":  # G's gradient -> the gates' per step
-        grads = (*grads[:3], _in_chunk_cumsum(grads[3], p.chunk_size, reverse=True), *grads[4:])
+    do, dht = ct  # (`symbolic_zeros`: a `SymbolicZero` for an output the loss does not take)
+    zero = lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
+    do = jnp.zeros(do.aval.shape, tokens[0].dtype) if zero(do) else do.astype(tokens[0].dtype)
+    dht = () if zero(dht) else (dht,)  # (then the reverse passes start from zeros themselves)
+    store_rows = _stores_gate_rows(p, tokens[0].shape[-1])  # (as `_op_fwd` decided it)
+    grads = _partitioned(p, scale, "bwd", bool(tables), l2norm, has_h0, store_rows, bool(dht))(*tokens, h, *wy, *tables, do, *dht)
     return (*grads, *(None for _ in tables))
 
 
-_op.defvjp(_op_fwd, _op_bwd)
+# `symbolic_zeros`: the backward learns which outputs the loss takes (most training losses take o alone)
+_op.defvjp(_op_fwd, _op_bwd, symbolic_zeros=True)
 
 
 # ----------------------------------------------------------------------------- delta rules

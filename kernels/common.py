@@ -125,22 +125,36 @@ def scan_fetch(src, a):
 
 
 @T.macro
-def scan_store(a, dst, prefix):
+def scan_store(a, dst, prefix, reverse=False):
     """Second half: the inclusive cumulative sum of the 64 steps into `dst[prefix + (step,)]`: each
     lane sums its pair, the pairs' sums are scanned across the warp by shuffles (Hillis-Steele,
-    five steps), and a lane's first step takes the scan of the pairs before it."""
+    five steps), and a lane's first step takes the scan of the pairs before it. `reverse`: the sum
+    from each step to the chunk's end (the cumulative sum's VJP), the pairs scanned from the last
+    lane down."""
     t = T.get_thread_binding() % 128
     if t < 32:
         a[2] = a[0] + a[1]
         for d in (1, 2, 4, 8, 16):
-            a[3] = T.shfl_up(a[2], d)
-            if t >= d:
-                a[2] = a[2] + a[3]
-        a[3] = T.shfl_up(a[2], 1)
-        if t == 0:
-            a[3] = T.float32(0)
-        dst[prefix + (2 * t,)] = a[3] + a[0]
-        dst[prefix + (2 * t + 1,)] = a[2]
+            if reverse:
+                a[3] = T.shfl_down(a[2], d)
+                if t + d < 32:
+                    a[2] = a[2] + a[3]
+            else:
+                a[3] = T.shfl_up(a[2], d)
+                if t >= d:
+                    a[2] = a[2] + a[3]
+        if reverse:  # (a lane's second step takes the sums of the pairs after it)
+            a[3] = T.shfl_down(a[2], 1)
+            if t == 31:
+                a[3] = T.float32(0)
+            dst[prefix + (2 * t,)] = a[2]
+            dst[prefix + (2 * t + 1,)] = a[3] + a[1]
+        else:
+            a[3] = T.shfl_up(a[2], 1)
+            if t == 0:
+                a[3] = T.float32(0)
+            dst[prefix + (2 * t,)] = a[3] + a[0]
+            dst[prefix + (2 * t + 1,)] = a[2]
 
 
 @T.macro
@@ -213,10 +227,11 @@ def delta_loads(q, k, w, x, g, q_s, k_s, w_s, x_s, g_s, ih, ihv, iv, g_rows=Fals
 
 
 @T.macro
-def initial_state(h0, b_h, n, head, iv, transposed=False):
-    """`b_h` <- the V block `iv` of sequence n's initial state `h0[n, head]` (`[K, BV]`, or `[BV, K]`
-    with `transposed`), or zeros where the call has none: `h0` with no rows (`N0 = 0`), so that XLA
-    writes no zero states for the pass to read."""
+def initial_state(h0, b_h, n, head, iv, transposed=False, k0=0):
+    """`b_h` <- the V block `iv` of sequence n's initial state `h0[n, head]` (`[K, BV]` from key
+    channel `k0`, or `[BV, K]` with `transposed`), or zeros where the call has none: `h0` with no
+    rows (`N0 = 0`), so that XLA writes no zero states for the pass to read. (The reverse passes
+    start so from the final state's gradient `dht`.)"""
     if transposed:
         BV, K = (int(d) for d in b_h.shape)
         if h0.shape[0] > 0:
@@ -227,9 +242,18 @@ def initial_state(h0, b_h, n, head, iv, transposed=False):
     else:
         K, BV = (int(d) for d in b_h.shape)
         if h0.shape[0] > 0:
-            T.copy(h0[n, head, 0:K, iv * BV : (iv + 1) * BV], b_h)
+            T.copy(h0[n, head, k0 : k0 + K, iv * BV : (iv + 1) * BV], b_h)
         else:
             T.clear(b_h)
+
+
+@T.macro
+def final_state(b_h, ht, n, head, iv, k0=0):
+    """`ht[n, head]`'s V block `iv` (from key channel `k0`) <- `b_h` `[K, BV]`, where `ht` has rows:
+    the reverse passes' `dh0`, which has none where the call has no initial state to take it."""
+    K, BV = (int(d) for d in b_h.shape)
+    if ht.shape[0] > 0:
+        T.copy(b_h, ht[n, head, k0 : k0 + K, iv * BV : (iv + 1) * BV])
 
 
 @T.macro

@@ -80,6 +80,12 @@ G_ROWS: Final = (("g_rows", True),)
 # forward with no gradient XLA's cumulative sum and, for simple GLA, its transpose to rows go (built 2026-12-05,
 # not yet run on a GPU: the experiments x_fused_scan, x_inv_scan, x_inv_l2_scan)
 G_SCAN: Final = (("g_scan", True),)
+# under a gradient (built 2026-12-05, not yet run on a GPU): the delta rules' training WY kernel summing the gates
+# per step and writing G and its rows (`x_wy_t_l2_scan`: XLA's cumulative sum and transpose go), and their WY VJP
+# adding the consumer's gradient of G to its own and summing it back to the gates per step (`x_wy_bwd_l2_sum`:
+# XLA's add and reverse cumulative sum go)
+WY_T_L2_SCAN_OUTPUTS: Final = ("w", "u", "t", "yq", "yk", "rq", "rk", "gs", "grows")
+DG_SUM: Final = (("dg_sum", True),)
 # the forward state passes' chain warpgroup forms exp(G_C - G) once per row of v (v_new) rather than once per element
 # (the same bits): the delta rules' forward storing h 0.173 -> 0.156 ms at 4,4096,16,128 (with G_ROWS; 0.170 with
 # G_ROWS alone), 0.309 -> 0.257 at 2,8192,16,128; at K = 256 `fused` 0.436 -> 0.400, `fused_h` 0.464 -> 0.451;
@@ -281,6 +287,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # each thread (the default before); T stored by TMA; the state pass in one
     # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
+        Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
+                config=(*WY_T_L2, *G_SCAN)),
         Program(name="x_inv_scan", of="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, *G_SCAN)),
         Program(name="x_inv_l2_scan", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
                 config=(*INV_L2, *G_SCAN)),
@@ -314,10 +322,12 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # warpgroup 0 carrying S, not S^T (dispatched before)
         Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
     ),
-    # the inverse summing the gates per step itself (G_SCAN) at K = 64
+    # the inverse summing the gates per step itself (G_SCAN) at K = 64, and the training WY kernel so (as at 128)
     ("delta", "fwd", "bf16", 64): (
         Program(name="x_inv_l2_scan", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
                 config=(*INV_L2, *MB8, *G_SCAN)),
+        Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
+                config=(*WY_T_L2, *G_SCAN)),
     ),
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)
@@ -367,6 +377,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the delta rules' state-gradient pass in one warpgroup (the default before)
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
+        Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), *DG_SUM)),
         Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0", "du"),
                 config=(*DU, *G_ROWS)),
         # warpgroup 1 rescaling k and q in place element by element (dispatched before 2026-12-04)
@@ -401,6 +413,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
     ),
     ("delta", "bwd", "bf16", 64): (
+        Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), *DG_SUM)),
         # the WY VJP with T in a float32 shared tile (dispatched before t_regs)
         Program(name="x_wy_bwd_tile", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta")),
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),

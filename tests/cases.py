@@ -18,10 +18,12 @@ OPS = {
 }
 
 
-# the tilelang forward's programs that sum the gates per step themselves (kernels/variants.py G_SCAN), as
+# the tilelang programs that sum the gates per step themselves (kernels/variants.py G_SCAN: the forwards' and
+# the delta rules' training WY kernel), and the WY VJP that sums their gradient back to the steps (DG_SUM), as
 # `tilelang_backend.EXPERIMENT_OVERRIDES` entries that put them in the dispatched programs' place
 GATE_SCAN_EXPERIMENTS = {("simple_gla", "fwd", "fused"): "x_fused_scan", ("delta", "fwd", "inv"): "x_inv_scan",
-                         ("delta", "fwd", "inv_l2"): "x_inv_l2_scan"}
+                         ("delta", "fwd", "inv_l2"): "x_inv_l2_scan", ("delta", "fwd", "wy_t_l2"): "x_wy_t_l2_scan",
+                         ("delta", "bwd", "wy_bwd_l2"): "x_wy_bwd_l2_sum"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,13 +111,14 @@ def static_kwargs(case: Case) -> dict:
     return kw
 
 
-def loss_and_outputs(case: Case, backend: str):
-    """A jitted `diff, cot -> (grads, (o, ht))` for one backend."""
+def loss_and_outputs(case: Case, backend: str, terms: tuple[str, ...] = ("o", "ht")):
+    """A jitted `diff, cot -> (grads, (o, ht))` for one backend; the loss takes the outputs named in
+    `terms` (an output it does not take has a symbolic zero cotangent)."""
     op = OPS[case.op]
 
     def loss(diff, cot):
         o, ht = op(**diff, **static_kwargs(case), backend=backend)
-        l = jnp.sum(o.astype(jnp.float32) * cot["do"]) + jnp.sum(ht * cot["dht"])
+        l = (jnp.sum(o.astype(jnp.float32) * cot["do"]) if "o" in terms else 0.0) + (jnp.sum(ht * cot["dht"]) if "ht" in terms else 0.0)
         return l, (o, ht)
 
     return jax.jit(jax.grad(loss, has_aux=True))

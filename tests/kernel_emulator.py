@@ -35,7 +35,8 @@ def _sequence_ends(per_chunk, chunk, ccount, fallback):
 
 
 def _initial_states(h0, cstart):
-    """`h0 [N, H, K, V]`, or zeros where the call had none (no rows: `kernels.common.initial_state`)."""
+    """`h0 [N, H, K, V]`, or zeros where the call had none (no rows: `kernels.common.initial_state`;
+    so for the reverse passes' `dht`)."""
     return h0 if h0.shape[0] else jnp.zeros((cstart.shape[0], *h0.shape[1:]), h0.dtype)
 
 
@@ -342,6 +343,7 @@ def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
 def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
     """kernels/delta/bwd.py `chunk_delta_bwd_dh(store_du=True)`: dh (after each chunk), dh0 and
     du, the gradient of v_new (input dtype)."""
+    dht = _initial_states(dht, cstart)  # (zeros where it has no rows)
     G = _gate_columns(G)
     HV = do.shape[1]
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
@@ -484,10 +486,17 @@ def call(target, results, *args, init=None, **attrs):
     """Drop-in for fla_jax.tilelang_backend._call."""
     args = (*args, *(init or ()))
     kind, config = BUILT[target]
+    sums = ()
     if config.get("g_scan"):  # the gates per step, summed within each chunk by the program
-        i = {"inv_l2": 2, "inv": 1}.get(kind, 3)  # (simple GLA's state pass: the fourth input)
+        i = {"inv_l2": 2, "inv": 1, "wy_t": 2}.get(kind, 3)  # (simple GLA's state pass, wy_t_l2: the fourth input)
         G = args[i]
-        args = (*args[:i], jnp.cumsum(G.reshape(-1, C, *G.shape[1:]), axis=1).reshape(G.shape), *args[i + 1 :])
+        G = jnp.cumsum(G.reshape(-1, C, *G.shape[1:]), axis=1).reshape(G.shape)
+        args = (*args[:i], G, *args[i + 1 :])
+        if kind.startswith("wy_t"):  # (the training WY kernel also writes G and its per-chunk rows)
+            sums = (G, jnp.moveaxis(G.reshape(-1, C, G.shape[1]), 1, 2))
+    dg0 = None
+    if config.get("dg_sum"):  # the WY VJP takes the consumer's gradient of G (after dk0) and returns the gates' per step
+        dg0, args = args[8], (*args[:8], *args[9:])
     fn = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)["_" + kind]
     attrs = {k: float(v) for k, v in attrs.items()}
     # where the key channels are split, results[2] has a leading axis of parts: dv [parts, L, H, V], or
@@ -495,7 +504,13 @@ def call(target, results, *args, init=None, **attrs):
     if target.endswith("_dqkvg") and len(results[2].shape) == (4 if len(results) == 4 else 3):
         attrs["parts"] = results[2].shape[0]
     out = fn(*args, **attrs)
+    out = (*out, *sums) if sums else out
+    if dg0 is not None:
+        dG = (out[2] + dg0).reshape(-1, C, dg0.shape[1])
+        out = (*out[:2], jnp.flip(jnp.cumsum(jnp.flip(dG, 1), axis=1), 1).reshape(dg0.shape), out[3])
     shapes = results if isinstance(results, tuple) else (results,)
+    if kind == "dh" and shapes[1].shape[0] == 0:  # (no dh0 where the call has no initial state: none written)
+        out = (out[0], out[1][:0], *out[2:])
     outs = out if isinstance(out, tuple) else (out,)
     for o, r in zip(outs, shapes):
         assert o.shape == r.shape and o.dtype == r.dtype, (target, o.shape, r.shape, o.dtype, r.dtype)

@@ -65,6 +65,11 @@ def test_experiment_overrides_replace_the_program(monkeypatch):
 def _cuda_custom_calls(f, args, allowed):
     """The custom calls (in order) of `f` and of `value_and_grad` of a loss of its outputs
     (`f -> (o, ht)`), exported for CUDA; `allowed` names the kernels export may reference."""
+    return tuple(re.findall(r"custom_call @(\w+)", m) for m in _cuda_modules(f, args, allowed))
+
+
+def _cuda_modules(f, args, allowed):
+    """The StableHLO text of `f` and of `value_and_grad` of a loss of its outputs, exported for CUDA."""
     checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in allowed]
 
     def loss(*a):
@@ -72,10 +77,7 @@ def _cuda_custom_calls(f, args, allowed):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     grad = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
-    return tuple(
-        re.findall(r"custom_call @(\w+)", jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module())
-        for fn in (f, grad)
-    )
+    return tuple(jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module() for fn in (f, grad))
 
 
 GPU_CASES = [
@@ -239,16 +241,19 @@ NO_H0_GPU_CASES = [
 @pytest.mark.parametrize("case", NO_H0_GPU_CASES, ids=str)
 def test_tilelang_without_initial_state(case, scan, monkeypatch):
     """ZERO_ROW_H0 (calls with no initial state give the state passes `h0` with no rows; they start
-    from zeros) and, with `scan`, the forward's programs that sum the gates per step (the G_SCAN
-    experiments put in place) against float64 under NaN-poisoned outputs: o and ht with and without
-    a gradient, every gradient (simple GLA and GLA 0.004 / 0.005, the delta rules 0.006 / 0.008,
-    dbeta and dg 0.02)."""
+    from zeros), ZERO_ROW_DHT (the reverse passes write no dh0 then, and under a loss of o alone,
+    with `scan`, get `dht` with no rows and start from zeros) and, with `scan`, the programs that
+    sum the gates per step and the WY VJP that sums their gradient back (the GATE_SCAN_EXPERIMENTS
+    put in place) against float64 under NaN-poisoned outputs: o and ht with and without a gradient,
+    every gradient (simple GLA and GLA 0.004 / 0.005, the delta rules 0.006 / 0.008, dbeta and dg
+    0.02)."""
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
+    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", True)
     if scan:  # (where built: bf16, K = 64, 128)
         for key, name in GATE_SCAN_EXPERIMENTS.items():
             monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
-    errs = errors_against_float64(case, 23)
+    errs = errors_against_float64(case, 23, terms=("o",) if scan else ("o", "ht"))
     print(case, scan, {n: f"{e:.1e}" for n, e in errs.items()})
     delta = case.op in ("delta_rule", "gated_delta_rule")
     limit = lambda n: (0.006 if delta else 0.004) if n[0] in "oh" else 0.02 if delta and n in ("dbeta", "dg") else 0.008 if delta else 0.005
@@ -331,18 +336,20 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, g_scan: bool | None 
         if name == "inv_l2":
             return (t0, jax.ShapeDtypeStruct((NT, H, 4, 64), jnp.float32)), (q, k, gates, beta), {}
         tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
-        return (like(k), like(v), tm, like(q), like(k), r, r), (q, k, v, G, beta), {}
+        sums = (like(G), jax.ShapeDtypeStruct((NT, H, 64), jnp.float32)) if takes_steps() else ()  # (and G, its rows)
+        return (like(k), like(v), tm, like(q), like(k), r, r, *sums), (q, k, v, gates, beta), {}
     if op in ("simple_gla", "delta") and name == "dqkvg":  # the consumer (the delta rules': on v_new, k unit rows)
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         k = unit(k) if op == "delta" else k
         dv = () if op == "delta" else (like(v),)  # (the delta rules' reverse pass stores it)
         return (like(q), like(k), *dv, like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
-    if op == "delta" and name == "wy_bwd":  # T from the forward's program on its inputs, as the backward gets it
+    if op == "delta" and name in ("wy_bwd", "wy_bwd_l2"):  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
         t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
-        return (like(k), like(v), like(G), like(G)), (k, v, G, beta, t, h, du, dk0), {}
+        rk = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "wy_bwd_l2" else ()  # (k the normalised y)
+        return (like(k), like(v), like(G), like(G)), (k, v, G, beta, t, h, du, dk0, *rk), {}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")
 
 
@@ -360,11 +367,22 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     variant = variants.find(op, direction, variants.DTYPES[dt], K, K)
     main = next(p for p in variant.programs if p.name == prog.kind)
     results, args, attrs = _program_inputs(op, main.name, variants.DTYPES[dt], K)
-    # the same inputs, but for the gates where the two take them differently (per step where one sums them)
+    # the same inputs, but for the gates where the two take them differently (per step where one sums them; the
+    # training WY kernel then also writes G and its rows)
     scan = dict(prog.config).get("g_scan", False)
-    args2 = args if scan == dict(main.config).get("g_scan", False) else _program_inputs(op, main.name, variants.DTYPES[dt], K, scan)[1]
-    run = lambda p, a: jax.jit(lambda *a: tilelang_backend._call(variant.target(p), results, *a, **attrs))(*a)
-    want, got = run(main, args), run(prog, args2)
+    results2, args2 = (results, args) if scan == dict(main.config).get("g_scan", False) else \
+        _program_inputs(op, main.name, variants.DTYPES[dt], K, scan)[:2]
+    run = lambda p, r, a: jax.jit(lambda *a: tilelang_backend._call(variant.target(p), r, *a, **attrs))(*a)
+    want = run(main, results, args)
+    if len(results2) > len(results):  # G (the main program's input) and its rows [NT, H, 64]
+        G = args[3]
+        want = (*want, G, jnp.moveaxis(G.reshape(-1, 64, G.shape[1]), 1, 2))
+    if dict(prog.config).get("dg_sum"):  # the WY VJP adding the consumer's dG (after dk0) and summing to the end of the chunk
+        dg0 = jnp.asarray(np.random.default_rng(7).standard_normal(args[2].shape), jnp.float32)
+        args2 = (*args[:8], dg0, *args[8:])
+        dG = (want[2] + dg0).reshape(-1, 64, dg0.shape[1])
+        want = (*want[:2], jnp.flip(jnp.cumsum(jnp.flip(dG, 1), axis=1), 1).reshape(dg0.shape), want[3])
+    got = run(prog, results2, args2)
     errs = [err_ratio(np.asarray(w.astype(jnp.float32)), g) for w, g in zip(want, got)]
     print(prog.name, "vs", main.name, [f"{e:.1e}" for e in errs])
     # GLA's intra-chunk parts, exact against chunk-wide: terms move between the float32 elementwise
@@ -725,8 +743,9 @@ def test_gla_export_for_cuda_has_the_custom_calls(K, monkeypatch):
     assert sorted(kernels(both)) == sorted([names[0]] + names[2:])
 
 
-def _gdn_custom_calls(K: int, allowed, *, l2norm: bool):
-    """`_cuda_custom_calls` of GDN with the tilelang backend: H = 2 q/k heads, 4 value heads."""
+def _gdn_custom_calls(K: int, allowed, *, l2norm: bool, modules: bool = False):
+    """`_cuda_custom_calls` of GDN with the tilelang backend: H = 2 q/k heads, 4 value heads (with
+    `modules` the exported modules' text, `_cuda_modules`)."""
     x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
     v = jnp.zeros((1, 100, 4, K), jnp.bfloat16)
     gb = jnp.zeros((1, 100, 4), jnp.float32)
@@ -735,7 +754,27 @@ def _gdn_custom_calls(K: int, allowed, *, l2norm: bool):
         return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
                                               backend="tilelang")
 
-    return _cuda_custom_calls(f, (x, x, v, gb, gb), allowed)
+    return (_cuda_modules if modules else _cuda_custom_calls)(f, (x, x, v, gb, gb), allowed)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["xla_sums", "kernel_sums"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
+    """GDN under value_and_grad (use_qk_l2norm_in_kernel), exported for CUDA: XLA transposes G to
+    per-chunk rows once, in the forward (the backward's reverse pass reads the rows the forward
+    kept, `_stores_gate_rows`); with the gate-summing experiments in place (bf16, K <= 128) XLA
+    sums and transposes nothing: the training WY kernel writes G and its rows, the WY VJP returns
+    the gates' gradient per step."""
+    monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
+    if scan:
+        for key, name in GATE_SCAN_EXPERIMENTS.items():
+            monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
+    allowed = [v.target(p) for v in variants.VARIANTS for p in v.programs]
+    _, step = _gdn_custom_calls(K, allowed, l2norm=True, modules=True)
+    kernels = re.findall(r"custom_call @fla_delta_\w+_c64_(\w+)", step)
+    assert step.count("stablehlo.transpose") == (0 if scan else 1), kernels
+    assert ("@cumsum" in step) == (not scan), kernels
+    assert {"x_wy_t_l2_scan", "x_wy_bwd_l2_sum"} <= set(kernels) if scan else "wy_t_l2" in kernels, kernels
 
 
 @pytest.mark.parametrize("l2norm", [False, True])

@@ -30,6 +30,9 @@ CASES = [
 
 @pytest.fixture
 def emulated(monkeypatch):
+    # (the partitioned functions are cached with what they traced: a test that records the kernels' calls
+    # starts from none)
+    tilelang_backend._partitioned_with.cache_clear()
     monkeypatch.setattr(tilelang_backend, "_call", kernel_emulator.call)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     monkeypatch.setattr(tilelang_backend, "registered", lambda: [v.target(p) for v in VARIANTS for p in v.programs])
@@ -93,29 +96,40 @@ NO_H0_CASES = [
 ]
 
 
+@pytest.mark.parametrize("terms", [("o", "ht"), ("o",), ("ht",)], ids=["loss_of_o_ht", "loss_of_o", "loss_of_ht"])
 @pytest.mark.parametrize("case", NO_H0_CASES, ids=str)
-def test_no_initial_state_and_gates_summed_by_the_kernels(case, emulated, monkeypatch):
+def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, emulated, monkeypatch):
     """With no initial state and ZERO_ROW_H0 every forward program gets `h0` with no rows; with the
-    G_SCAN experiments put in place (`EXPERIMENT_OVERRIDES`) the forward's programs that sum the
-    gates per step run (simple GLA's state pass, the delta rules' inverse), given the gates per
-    step: o, ht (with and without a gradient) and every gradient against float64, emulated."""
-    rows, names = [], []
+    G_SCAN experiments put in place (`EXPERIMENT_OVERRIDES`) the programs that sum the gates per
+    step run (simple GLA's state pass, the delta rules' inverse and training WY kernel), given the
+    gates per step, and the WY VJP that sums their gradient back (`dg_sum`): o, ht (with and
+    without a gradient) and every gradient against float64, emulated. With ZERO_ROW_DHT too, under
+    losses of o and ht, of o alone (the final state's cotangent a symbolic zero: the reverse pass
+    gets `dht` with no rows) and of ht alone (o's a symbolic zero); dh0 with no rows throughout."""
+    rows, names, reverse = [], [], []
 
     def record(target, results, *args, **attrs):
         names.append(target.rsplit("_c64_", 1)[1])
         if "_fwd_" in target and len(args) >= 3 and args[-1].dtype == jnp.int32 and args[-3].ndim == 4:
             rows.append(args[-3].shape[0])  # h0 [N0, H, K, V] before cstart, ccount
+        if "_bwd_" in target and target.endswith("_dh"):
+            reverse.append((args[-3].shape[0], results[1].shape[0]))  # dht [ND, ...] before cstart, ccount; dh0 [N0, ...]
         return kernel_emulator.call(target, results, *args, **attrs)
 
     monkeypatch.setattr(tilelang_backend, "_call", record)
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
+    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", True)
     monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
     for key, name in GATE_SCAN_EXPERIMENTS.items():
         monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
-    errs = errors_against_float64(case, 41)
+    errs = errors_against_float64(case, 41, terms=terms)
     print(case, names, {n: f"{e:.1e}" for n, e in errs.items()})
     assert rows and set(rows) == {0}, rows
+    N = case.B if case.cu is None else len(case.cu) - 1
+    assert reverse and set(reverse) == {(N if "ht" in terms else 0, 0)}, reverse
+    # (under a gradient, with use_qk_l2norm_in_kernel, the delta rules' training WY kernel and WY VJP too)
     scans = {"simple_gla": {"x_fused_scan"}, "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"})
+    scans |= {"x_wy_t_l2_scan", "x_wy_bwd_l2_sum"} if case.l2norm else set()
     assert scans <= set(names), names
     tol = 1e-2 if case.op in ("delta_rule", "gated_delta_rule") else 5e-3
     assert all(e <= tol for e in errs.values()), errs

@@ -9,19 +9,22 @@ chunk `h [NT, HV, K, V]` stored by the forward (`store_h`).
   `dv_new = (scale Q K^T * exp(G_i - G_j), j <= i)^T do + (k * exp(G_C - G)) dS`,
   `dS <- exp(G_C) dS + scale (q * exp(G))^T do - w^T dv_new`.
   Writes `dh[c]`, the gradient of the state after chunk c (input dtype), and `dh0 [N, HV, K, V]`.
+  `dht` and `dh0` have rows of their own (`ND`, `N0`): none where the loss takes no final state
+  (the pass starts from zeros, `kernels.common.initial_state`) or the call has no initial state
+  (dh0 is not written, `final_state`).
   Everything else of the backward is parallel over chunks given these (the per-chunk VJP).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import delta_loads, stage_loads
+from kernels.common import delta_loads, final_state, initial_state, stage_loads
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims, g_rows: bool = False):
     """The prim_func of a reverse pass `body` (a macro of the inputs and outputs), with `du` among
     its outputs under `store_du` (TileLang varies a parameter list so)."""
-    L, H, HV, N, NT = dims
+    L, H, HV, N, NT, ND, N0 = dims
     acc = "float32"
     gshape = (NT, HV, 64) if g_rows else (L, HV)  # (G as per-chunk rows, BT = 64)
     if store_du:
@@ -33,12 +36,12 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims, g_rows
             w: T.Tensor((L, HV, K), dtype),
             do: T.Tensor((L, HV, V), dtype),
             g: T.Tensor(gshape, acc),
-            dht: T.Tensor((N, HV, K, V), acc),
+            dht: T.Tensor((ND, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
             scale: T.float32,
             dh: T.Tensor((NT, HV, K, V), dtype),
-            dh0: T.Tensor((N, HV, K, V), acc),
+            dh0: T.Tensor((N0, HV, K, V), acc),
             du: T.Tensor((L, HV, V), dtype),
         ):
             body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du)
@@ -52,12 +55,12 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims, g_rows
             w: T.Tensor((L, HV, K), dtype),
             do: T.Tensor((L, HV, V), dtype),
             g: T.Tensor(gshape, acc),
-            dht: T.Tensor((N, HV, K, V), acc),
+            dht: T.Tensor((ND, HV, K, V), acc),
             cstart: T.Tensor((N,), "int32"),
             ccount: T.Tensor((N,), "int32"),
             scale: T.float32,
             dh: T.Tensor((NT, HV, K, V), dtype),
-            dh0: T.Tensor((N, HV, K, V), acc),
+            dh0: T.Tensor((N0, HV, K, V), acc),
         ):
             body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, None)
 
@@ -71,7 +74,7 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
     The rows' factors `exp(G_C - G)`, `exp(G)` are formed once per chunk into shared memory (as
     `chunk_delta_bwd_dh(row_factors=True)` does; an exponential per element of k and q before,
     2026-12-04), the same bits. `store_du` as `chunk_delta_bwd_dh`'s (stored from the registers)."""
-    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    L, H, HV, N, NT, ND, N0 = T.dynamic("L, H, HV, N, NT, ND, N0")
     acc = "float32"
     threads = threads or (256 if K > 128 else 128)
     stages = stages or (2 if K <= 128 else 1)  # two stages at K = 256 would exceed 227 KB of shared memory
@@ -98,7 +101,7 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
             acc_a = T.alloc_fragment((BT, BT), acc)
             acc_dv = T.alloc_fragment((BT, BV), acc)
             c1 = cstart[n] + ccount[n] - 1
-            T.copy(dht[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_dh)
+            initial_state(dht, b_dh, n, ihv, iv)
             for ir in T.Pipelined(ccount[n], num_stages=stages):
                 t0 = (c1 - ir) * BT
                 T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
@@ -136,9 +139,9 @@ def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                 for a, b in T.Parallel(BT, BV):
                     dv_s[a, b] = -dv_s[a, b]
                 T.gemm(w_s, dv_s, b_dh, transpose_A=True)
-            T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+            final_state(b_dh, dh0, n, ihv, iv)
 
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT), g_rows=g_rows)
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT, ND, N0), g_rows=g_rows)
 
 
 def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, row_factors: bool = True,
@@ -177,7 +180,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
     4,4096,16,128 (K = 128), 0.121 against 0.144 at 8,2048,16,64 (bf16, H200, 2026-12-05, ten
     launches a sample, interleaved); the default since."""
     assert K <= 128, "K = 256: chunk_delta_bwd_dh_1wg"
-    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    L, H, HV, N, NT, ND, N0 = T.dynamic("L, H, HV, N, NT, ND, N0")
     acc = "float32"
 
     @T.macro
@@ -244,7 +247,7 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                     T.barrier_arrive(ready[slot])
             with T.ws(0):
                 T.set_max_nreg(232, 1)
-                T.copy(dht[n, ihv, 0:K, iv * BV : (iv + 1) * BV], b_dh)
+                initial_state(dht, b_dh, n, ihv, iv)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(ready[slot], (i // stages) % 2)
@@ -273,8 +276,8 @@ def chunk_delta_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64
                         T.sync_threads(8, 128)
                         T.tma_copy(du_s, du[(c1 - i) * BT : (c1 - i + 1) * BT, ihv, iv * BV : (iv + 1) * BV])
                 T.tma_store_wait()
-                T.copy(b_dh, dh0[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+                final_state(b_dh, dh0, n, ihv, iv)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT), g_rows=g_rows).with_attr(
+    return _prim_func(body, K=K, V=V, dtype=dtype, store_du=store_du, dims=(L, H, HV, N, NT, ND, N0), g_rows=g_rows).with_attr(
         "fla.disable_shared_memory_reuse", 1)

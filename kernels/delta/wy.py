@@ -78,6 +78,10 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     `gr [NT, HV, R, C]` (float32) for the state pass to load by TMA (`chunk_delta_fwd_t(gate_rows=True)`);
     with `g_scan` g holds the gates per step, which its first warp sums within the chunk
     (`kernels.common.scan_store`; XLA's cumulative sum took three launches before it).
+    `g_scan` with `store_t` (the forward under a gradient): g per step likewise, summed into the
+    tile the chunk's decays read, and two more outputs, the sums G as the backward takes them
+    (`gs [L, HV]`) and as per-chunk rows (`grows [NT, HV, C]`, which the forward's state pass and the
+    backward's reverse pass load by TMA): XLA's cumulative sum and its transpose to rows go.
     `l2norm` (with `gate_rows`; `use_qk_l2norm_in_kernel` with no gradient): from the raw q and
     k, T0 of the normalised k, `K K^T` scaled by `r_i r_j` with `r = 1 / sqrt(|k|^2 + 1e-6)` read
     off its own diagonal, and two more rows of `gr` (R = 4): the chunk's `1 / |q|` (off `Q Q^T`'s
@@ -123,6 +127,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     normalise = l2norm and not inverse_only  # (the training forward) y_q, y_k, r_q, r_k written
     assert not normalise or store_t, "l2norm without inverse_only is written for store_t (the training forward)"
     assert not gate_rows or inverse_only, "gate_rows is written for the inverse alone"
+    assert not g_scan or gate_rows or store_t, "g_scan is written for gate_rows (the inverse) and store_t"
     pad_rows = not tma_t if pad_rows is None else pad_rows
     assert not (pad_rows and tma_t), "a TMA store of T reads its shared tile whole: no padded rows"
     pad = 8 if pad_rows else 0  # floats after each row of the float32 A / T tile
@@ -260,7 +265,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                     gr[ic, ihv, 2, a] = T.rsqrt(acc_a[a, b] + 1e-6)
 
     @T.macro
-    def body(k, v, g, beta, w, u, t, qx=None, gr=None, yq=None, yk=None, rq=None, rk=None):
+    def body(k, v, g, beta, w, u, t, qx=None, gr=None, yq=None, yk=None, rq=None, rk=None, gs=None, grows=None):
         with T.Kernel(T.ceildiv(L, BT), HV, threads=threads) as (ic, ihv):
             if min_blocks:
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -278,7 +283,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 r_s = T.alloc_shared((BT,), acc)
             if normalise:
                 rq_s = T.alloc_shared((BT,), acc)
-            if gate_rows and g_scan:  # this chunk's gates per step, read first
+            if g_scan:  # this chunk's gates per step, read first
                 ga = T.alloc_local((4,), acc)
                 scan_fetch(lambda step: g[t0 + step, ihv], ga)
             elif gate_rows:
@@ -305,7 +310,12 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
                 if not late_v and not inverse_only:
                     T.copy(v[t0 : t0 + BT, ihv, 0:V], v_s)
-            if not inverse_only:
+            if not inverse_only and g_scan:  # G summed into g_s, and written for the passes after this one
+                scan_store(ga, g_s, ())
+                for a in T.Parallel(BT):
+                    gs[t0 + a, ihv] = g_s[a]
+                    grows[ic, ihv, a] = g_s[a]
+            elif not inverse_only:
                 T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
             if gate_rows and g_scan:  # G (summed here) and beta as rows of gr
@@ -471,7 +481,28 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
         return main
 
-    if normalise:
+    if normalise and g_scan:
+
+        @T.prim_func
+        def main(
+            q: T.Tensor((L, H, K), dtype),
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            t: T.Tensor((NT, HV, BT, BT), acc),
+            yq: T.Tensor((L, H, K), dtype),
+            yk: T.Tensor((L, H, K), dtype),
+            rq: T.Tensor((L, H), acc),
+            rk: T.Tensor((L, H), acc),
+            gs: T.Tensor((L, HV), acc),
+            grows: T.Tensor((NT, HV, BT), acc),
+        ):
+            body(k, v, g, beta, w, u, t, q, None, yq, yk, rq, rk, gs, grows)
+
+    elif normalise:
 
         @T.prim_func
         def main(
@@ -489,6 +520,22 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             rk: T.Tensor((L, H), acc),
         ):
             body(k, v, g, beta, w, u, t, q, None, yq, yk, rq, rk)
+
+    elif store_t and g_scan:
+
+        @T.prim_func
+        def main(
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            w: T.Tensor((L, HV, K), dtype),
+            u: T.Tensor((L, HV, V), dtype),
+            t: T.Tensor((NT, HV, BT, BT), acc),
+            gs: T.Tensor((L, HV), acc),
+            grows: T.Tensor((NT, HV, BT), acc),
+        ):
+            body(k, v, g, beta, w, u, t, None, None, None, None, None, None, gs, grows)
 
     elif store_t:
 
@@ -522,7 +569,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
                        tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False, t_regs: bool = False,
-                       l2norm: bool = False):
+                       l2norm: bool = False, dg_sum: bool = False):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -550,6 +597,9 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     `l2norm` (`use_qk_l2norm_in_kernel`; k is the normalised `y = x r`): one more input, `rk [L, H]`
     (float32 `r = 1 / |x|` of the raw k), and dk is the raw k's gradient `r (dk - y sum(dk y))`
     (linear in dk, so per value head before the caller sums a group).
+    `dg_sum`: one more input, `dg0 [L, HV]` (float32, the consumer's gradient of G), and dg is the
+    gradient of the gates per step: the reverse in-chunk cumulative sum of `dg0 + dG` by one warp
+    (`kernels.common.scan_store(reverse=True)`), in place of XLA's add and reverse sum.
     G, beta and r are loaded by each thread before dw's product (after it before 2026-12-04), so
     that their latency runs beside the TMA loads': `wy_bwd_l2` 0.304 against 0.316 ms at
     4,4096,16,128 bf16 on an H200 (`wy_bwd` 0.286 either way). (The chunk's whole h in one load and
@@ -565,7 +615,7 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     split = _hi_lo(BT, dtype, scaled=False)
 
     @T.macro
-    def body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta):
+    def body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta, dg0=None):
         with T.Kernel(NT, HV, threads=threads) as (ic, ihv):
             ih = ihv // (HV // H)
             t0 = ic * BT
@@ -584,6 +634,10 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             rb_s = T.alloc_shared((BT,), acc)  # row sums of dA * E * KK^T (dbeta)
             rg_s = T.alloc_shared((BT,), acc)  # row sums - column sums of P (dG)
             rv_s = T.alloc_shared((BT,), acc)  # row sums of dvb * v
+            if dg_sum:
+                d0_s = T.alloc_shared((BT,), acc)  # dg0
+                sd_s = T.alloc_shared((BT,), acc)  # dg0 + dG, then its sums
+                da = T.alloc_local((4,), acc)
             acc_c = T.alloc_fragment((BT, BT), acc)
             acc_c2 = T.alloc_fragment((BT, BT), acc)
             acc_kk = T.alloc_fragment((BT, BT), acc)
@@ -612,6 +666,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
             if l2norm:
                 T.copy(rk[t0 : t0 + BT, ih], rk_s, disable_tma=True)
+            if dg_sum:
+                T.copy(dg0[t0 : t0 + BT, ihv], d0_s, disable_tma=True)
             # dw = -du h^T
             T.clear(acc_k)
             for vb in T.serial(V // BVH):
@@ -726,7 +782,10 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             T.reduce_sum(acc_k2, krow, dim=1)
             for a in T.Parallel(BT):
                 dbeta[t0 + a, ihv] = T.exp(g_s[a]) * krow[a] + rv_s[a] + rb_s[a]
-                dg[t0 + a, ihv] = b_s[a] * T.exp(g_s[a]) * krow[a] + rg_s[a]
+                if dg_sum:  # (summed over the chunk's later steps at the end; threads sharing a row write the same value)
+                    sd_s[a] = d0_s[a] + b_s[a] * T.exp(g_s[a]) * krow[a] + rg_s[a]
+                else:
+                    dg[t0 + a, ihv] = b_s[a] * T.exp(g_s[a]) * krow[a] + rg_s[a]
             for a, b in T.Parallel(BT, K):
                 acc_k[a, b] = acc_k[a, b] * b_s[a] * T.exp(g_s[a])
             T.gemm(xh_s, k_s, acc_k)
@@ -749,8 +808,54 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 T.copy(k_s, dk[t0 : t0 + BT, ihv, 0:K])
             else:
                 T.copy(acc_k, dk[t0 : t0 + BT, ihv, 0:K])
+            if dg_sum:  # the gates' gradient per step, summed in place by the first warp (a lane rewrites the two it read)
+                scan_fetch(lambda step: sd_s[step], da)
+                scan_store(da, sd_s, (), reverse=True)
+                for a in T.Parallel(BT):
+                    dg[t0 + a, ihv] = sd_s[a]
 
-    if l2norm:
+    if l2norm and dg_sum:
+
+        @T.prim_func
+        def main(
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            t: T.Tensor((NT, HV, BT, BT), acc),
+            h: T.Tensor((NT, HV, K, V), dtype),
+            du: T.Tensor((L, HV, V), dtype),
+            dk0: T.Tensor((L, HV, K), dtype),
+            dg0: T.Tensor((L, HV), acc),
+            rk: T.Tensor((L, H), acc),
+            dk: T.Tensor((L, HV, K), dtype),
+            dv: T.Tensor((L, HV, V), dtype),
+            dg: T.Tensor((L, HV), acc),
+            dbeta: T.Tensor((L, HV), acc),
+        ):
+            body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta, dg0)
+
+    elif dg_sum:
+
+        @T.prim_func
+        def main(
+            k: T.Tensor((L, H, K), dtype),
+            v: T.Tensor((L, HV, V), dtype),
+            g: T.Tensor((L, HV), acc),
+            beta: T.Tensor((L, HV), acc),
+            t: T.Tensor((NT, HV, BT, BT), acc),
+            h: T.Tensor((NT, HV, K, V), dtype),
+            du: T.Tensor((L, HV, V), dtype),
+            dk0: T.Tensor((L, HV, K), dtype),
+            dg0: T.Tensor((L, HV), acc),
+            dk: T.Tensor((L, HV, K), dtype),
+            dv: T.Tensor((L, HV, V), dtype),
+            dg: T.Tensor((L, HV), acc),
+            dbeta: T.Tensor((L, HV), acc),
+        ):
+            body(k, v, g, beta, t, h, du, dk0, None, dk, dv, dg, dbeta, dg0)
+
+    elif l2norm:
 
         @T.prim_func
         def main(

@@ -22,7 +22,7 @@ chunk `h [NT, H, K, V]` (stored by the forward, `chunk_fwd(store_h=True)`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once, stage_loads
+from kernels.common import arrive_once, final_state, initial_state, stage_loads
 
 
 def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: int | None = None,
@@ -30,7 +30,7 @@ def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, 
     """One warpgroup (TileLang's pipeline adds a producer), K optionally split in blocks of `BK`:
     the dispatched pass before `chunk_bwd_dh` (the experiments `x_dh_1wg`, `x_dh_bk64`)."""
     BK = BK or K
-    L, H, N, NT = T.dynamic("L, H, N, NT")
+    L, H, N, NT, ND, N0 = T.dynamic("L, H, N, NT, ND, N0")
     acc = "float32"
     threads = threads or (256 if BK > 128 else 128)
 
@@ -39,12 +39,12 @@ def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, 
         q: T.Tensor((L, H, K), dtype),
         do: T.Tensor((L, H, V), dtype),
         g: T.Tensor((L, H), acc),
-        dht: T.Tensor((N, H, K, V), acc),
+        dht: T.Tensor((ND, H, K, V), acc),
         cstart: T.Tensor((N,), "int32"),
         ccount: T.Tensor((N,), "int32"),
         scale: T.float32,
         dh: T.Tensor((NT, H, K, V), dtype),
-        dh0: T.Tensor((N, H, K, V), acc),
+        dh0: T.Tensor((N0, H, K, V), acc),
     ):
         with T.Kernel(T.ceildiv(V, BV), T.ceildiv(K, BK), N * H, threads=threads) as (iv, ik, inh):
             n = inh // H
@@ -56,7 +56,7 @@ def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, 
             do_s = T.alloc_shared((BT, BV), dtype)
             g_s = T.alloc_shared((BT,), acc)
             c1 = cstart[n] + ccount[n] - 1
-            T.copy(dht[n, ih, ik * BK : (ik + 1) * BK, iv * BV : (iv + 1) * BV], b_dh)
+            initial_state(dht, b_dh, n, ih, iv, k0=ik * BK)
             for ir in T.Pipelined(ccount[n], num_stages=stages):
                 t0 = (c1 - ir) * BT
                 T.copy(q[t0 : t0 + BT, ih, ik * BK : (ik + 1) * BK], q_s)
@@ -69,7 +69,7 @@ def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, 
                 for i, j in T.Parallel(BK, BV):
                     b_dh[i, j] = b_dh[i, j] * T.exp(g_s[BT - 1])
                 T.gemm(qd_s, do_s, b_dh, transpose_A=True)
-            T.copy(b_dh, dh0[n, ih, ik * BK : (ik + 1) * BK, iv * BV : (iv + 1) * BV])
+            final_state(b_dh, dh0, n, ih, iv, k0=ik * BK)
 
     return main
 
@@ -82,8 +82,10 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
     `channel_gates` (GLA) `q` is the forward's `q exp(G)` and `g` the per-channel `G [L, H, K]`,
     of which only each chunk's last row is read; the chain then carries `dS / scale`, so that the
     GEMM takes `q` and `do` as stored. (A third warpgroup forming `dod` a chunk ahead made
-    TileLang sync the whole block between the warpgroups: a deadlock.)"""
-    L, H, N, NT = T.dynamic("L, H, N, NT")
+    TileLang sync the whole block between the warpgroups: a deadlock.)
+    `dht` and `dh0` have rows of their own (`ND`, `N0`): none where the loss takes no final state
+    (the pass starts from zeros) or the call has no initial state (dh0 is not written)."""
+    L, H, N, NT, ND, N0 = T.dynamic("L, H, N, NT, ND, N0")
     acc = "float32"
 
     @T.macro
@@ -108,7 +110,7 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
                 stage_loads(loads, full, free, nc, stages, c1, -1)
             with T.ws(0):
                 T.set_max_nreg(240, 1)
-                T.copy(dht[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_dh)
+                initial_state(dht, b_dh, n, ih, iv)
                 if channel_gates:
                     for r, c in T.Parallel(K, BV):
                         b_dh[r, c] = b_dh[r, c] / scale
@@ -141,19 +143,19 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
                 if channel_gates:
                     for r, c in T.Parallel(K, BV):
                         b_dh[r, c] = b_dh[r, c] * scale
-                T.copy(b_dh, dh0[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+                final_state(b_dh, dh0, n, ih, iv)
 
     @T.prim_func
     def main(
         q: T.Tensor((L, H, K), dtype),
         do: T.Tensor((L, H, V), dtype),
         g: T.Tensor((L, H, K) if channel_gates else (L, H), acc),
-        dht: T.Tensor((N, H, K, V), acc),
+        dht: T.Tensor((ND, H, K, V), acc),
         cstart: T.Tensor((N,), "int32"),
         ccount: T.Tensor((N,), "int32"),
         scale: T.float32,
         dh: T.Tensor((NT, H, K, V), dtype),
-        dh0: T.Tensor((N, H, K, V), acc),
+        dh0: T.Tensor((N0, H, K, V), acc),
     ):
         body(q, do, g, dht, cstart, ccount, scale, dh, dh0)
 
