@@ -27,7 +27,8 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     rng = np.random.default_rng(0)
     x = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
     q, k, v, do = (x(B * T, H, D) for _ in range(4))
-    G = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H))) * 0.1, jnp.float32), 1).reshape(B * T, H)
+    steps = jnp.asarray(-np.abs(rng.standard_normal((NT, 64, H))) * 0.1, jnp.float32)  # the gates per step
+    G = jnp.cumsum(steps, 1).reshape(B * T, H)
     h0 = jnp.zeros((B, H, D, D), jnp.float32)
     cstart, ccount = jnp.arange(B, dtype=jnp.int32) * (T // 64), jnp.full((B,), T // 64, jnp.int32)
     state = jax.ShapeDtypeStruct((NT, H, D, D), dtype)
@@ -95,11 +96,10 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             "norm_bwd": (like(q), (q, G, do), {}),
             "wy_bwd": ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k), {}),
         }
-        if D <= 128:  # (and the training forward's WY kernel and the consumer, where built)
-            calls |= {
-                "wy_t_l2": ((like(k), like(v), tm, like(q), like(k), col32, col32), (q, k, v, G, beta), {}),
-                "dqkvg_l2": ((like(q), like(k), split(G)), (q, k, v, G, h, do, h, r), {"scale": s}),
-            }
+        # the training forward's WY kernel (dispatched at K <= 128; an experiment at 256) and the consumer, where built
+        calls["wy_t_l2"] = ((like(k), like(v), tm, like(q), like(k), col32, col32), (q, k, v, G, beta), {})
+        if D <= 128:
+            calls["dqkvg_l2"] = ((like(q), like(k), split(G)), (q, k, v, G, h, do, h, r), {"scale": s})
         calls["wy_bwd_l2"] = ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k, r), {})
         # the state passes from the inverse in V blocks of 32 take their V-64 twins' inputs
         calls |= {f"{n}_v32": calls[n] for n in ("fused_t", "fused_t_l2") if n in calls}
@@ -115,6 +115,14 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.programs:
             results, args, attrs = calls[prog.kind]
+            config = dict(prog.config)
+            if config.get("g_scan"):  # the gates per step in G's place (the inverses' second / third input, else the fourth)
+                i = {"inv": 1, "inv_l2": 2}.get(prog.kind, 3)
+                args = (*args[:i], steps.reshape(B * T, H), *args[i + 1 :])
+            if config.get("g_scan") and prog.kind.startswith("wy_t"):  # (the WY kernel summing the gates also writes G, its rows)
+                results = (*results, jax.ShapeDtypeStruct((B * T, H), jnp.float32), jax.ShapeDtypeStruct((B * T // 64, H, 64), jnp.float32))
+            if config.get("dg_sum"):  # (the WY VJP adding the consumer's dG: G stands in for it)
+                args = (*args[:8], G, *args[8:])
             yield f"{direction}:{prog.name}", _kernel(variant.target(prog), results, attrs), args
     if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path, and none (every chunk wide)
         for label, factor in (("strong", 100.0), ("zero", 0.0)):

@@ -16,6 +16,13 @@
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
 #   run(command="OUT=$OUT bash benchmarks/pending_call.sh", carry=[".whl", "fla_jax/_ext.abi3.so", ".prof"])
 #
+# The owed call after the twenty-fourth session, with the same PROGS / PROGS2 given to prep (each program
+# beside the one it would replace; at K = 256 the WY kernel normalising q and k against norm + wy_t):
+#   P=fla_delta_fwd_bf16_k128_v128_c64; B=fla_delta_bwd_bf16_k128_v128_c64; S=fla_simple_gla_fwd_bf16_k128_v128_c64
+#   W=fla_delta_fwd_bf16_k256_v256_c64
+#   PROGS="${S}_fused ${S}_x_fused_scan ${P}_inv_l2 ${P}_x_inv_l2_scan ${P}_wy_t_l2 ${P}_x_wy_t_l2_scan ${B}_wy_bwd_l2 ${B}_x_wy_bwd_l2_sum"
+#   PROGS2="${W}_norm ${W}_wy_t ${W}_x_wy_t_l2_scan" SHAPES2=4x4096x8x256 TT=240 NEW=1 BENCH=1 OPS=simple_gla,gdn TB=280
+#
 # On the H200: the ops' GPU tests against float64 (NaN-poisoned, every op; the delta rules in their
 # three backward modes and the forward from T0), the WY inverse against float64 and the experiments
 # of the changed programs against the dispatched ones, then those programs timed beside the ones

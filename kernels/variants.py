@@ -81,9 +81,10 @@ G_ROWS: Final = (("g_rows", True),)
 # not yet run on a GPU: the experiments x_fused_scan, x_inv_scan, x_inv_l2_scan)
 G_SCAN: Final = (("g_scan", True),)
 # under a gradient (built 2026-12-05, not yet run on a GPU): the delta rules' training WY kernel summing the gates
-# per step and writing G and its rows (`x_wy_t_l2_scan`: XLA's cumulative sum and transpose go), and their WY VJP
-# adding the consumer's gradient of G to its own and summing it back to the gates per step (`x_wy_bwd_l2_sum`:
-# XLA's add and reverse cumulative sum go)
+# per step and writing G and its rows (`x_wy_t_l2_scan`: XLA's cumulative sum and transpose go; at K = 256, where
+# `wy_t_l2` is not dispatched, it also takes the two `norm` passes' place), and their WY VJP adding the consumer's
+# gradient of G to its own and summing it back to the gates per step (`x_wy_bwd_l2_sum`: XLA's add and reverse
+# cumulative sum go)
 WY_T_L2_SCAN_OUTPUTS: Final = ("w", "u", "t", "yq", "yk", "rq", "rk", "gs", "grows")
 DG_SUM: Final = (("dg_sum", True),)
 # the forward state passes' chain warpgroup forms exp(G_C - G) once per row of v (v_new) rather than once per element
@@ -332,6 +333,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before 2026-12-04)
     ("delta", "fwd", "bf16", 256): (
+        # the training WY kernel normalising q and k too (no `norm` passes; `wy_t_l2` is dispatched at K <= 128 only),
+        # and summing the gates (as x_wy_t_l2_scan at K <= 128: the same override puts it in place)
+        Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
+                config=(*WY_T_L2, *G_SCAN)),
         Program(name="x_fused_s1", of="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"),
                 config=(("single_qw", False),)),
         Program(name="x_fused_h_s1", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
@@ -411,6 +416,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the warp-specialized consumer at K = 64 (dispatched before FLAT_64)
     ("simple_gla", "bwd", "bf16", 64): (
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
+    ),
+    ("delta", "bwd", "bf16", 256): (
+        Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("l2norm", True), *DG_SUM)),
     ),
     ("delta", "bwd", "bf16", 64): (
         Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",

@@ -512,6 +512,7 @@ def call(target, results, *args, init=None, **attrs):
     if kind == "dh" and shapes[1].shape[0] == 0:  # (no dh0 where the call has no initial state: none written)
         out = (out[0], out[1][:0], *out[2:])
     outs = out if isinstance(out, tuple) else (out,)
+    assert len(outs) == len(shapes), (target, len(outs), len(shapes))
     for o, r in zip(outs, shapes):
         assert o.shape == r.shape and o.dtype == r.dtype, (target, o.shape, r.shape, o.dtype, r.dtype)
     return out

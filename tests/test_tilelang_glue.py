@@ -92,6 +92,7 @@ NO_H0_CASES = [
     Case("gla", 1, 130, 2, 64, 64, dtype="bfloat16"),
     Case("gated_delta_rule", 1, 130, 2, 128, 128, dtype="bfloat16", l2norm=True),
     Case("gated_delta_rule", 1, 300, 1, 64, 64, HV=2, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), l2norm=True),
+    Case("gated_delta_rule", 1, 130, 1, 256, 256, HV=2, dtype="bfloat16", l2norm=True),
     Case("delta_rule", 1, 130, 2, 128, 128, dtype="bfloat16"),
 ]
 
@@ -128,7 +129,8 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, emulated,
     N = case.B if case.cu is None else len(case.cu) - 1
     assert reverse and set(reverse) == {(N if "ht" in terms else 0, 0)}, reverse
     # (under a gradient, with use_qk_l2norm_in_kernel, the delta rules' training WY kernel and WY VJP too)
-    scans = {"simple_gla": {"x_fused_scan"}, "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"})
+    # (at K = 256 the forward with no gradient has no inverse experiment: wy and fused)
+    scans = {"simple_gla": {"x_fused_scan"}, "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"}) if case.K <= 128 else set()
     scans |= {"x_wy_t_l2_scan", "x_wy_bwd_l2_sum"} if case.l2norm else set()
     assert scans <= set(names), names
     tol = 1e-2 if case.op in ("delta_rule", "gated_delta_rule") else 5e-3
@@ -338,18 +340,21 @@ def test_wy_vjp_matches_autodiff(H, HV, monkeypatch):
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_bench_kernels_feeds_every_dispatched_program(op, D, emulated):
     """benchmarks/bench_kernels.py builds inputs for every dispatched program of a variant that the
-    program takes (shapes and dtypes as the emulated kernels check them), and each runs."""
+    program takes (shapes and dtypes as the emulated kernels check them), and each runs; so for the
+    experiments that sum the gates or their gradient (their inputs and results differ from their
+    kind's)."""
     import pathlib
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_kernels
 
-    names = []
+    names, sums = [], {p.name for d in ("fwd", "bwd") for p in tilelang_backend._find_variant(op, d, "bfloat16", D, D).programs
+                       if p.of and {"g_scan", "dg_sum"} & set(dict(p.config))}
     for name, fn, args in bench_kernels.programs(2, 256, 2, D, op=op, xla=False):
-        if name.split(":", 1)[1].startswith("x_"):  # experiments: the emulator knows the dispatched kinds only
-            continue
+        if name.split(":", 1)[1].startswith("x_") and name.split(":", 1)[1] not in sums:  # (other experiments: the emulator
+            continue  # knows the dispatched programs' inputs only)
         jax.block_until_ready(fn(*args))
         names.append(name.split(":", 1)[1].split("@")[0])  # (GLA's a and dqkvg also at other gate scales, `@label`)
     want = {prog.name for d in ("fwd", "bwd") for prog in tilelang_backend._find_variant(op, d, "bfloat16", D, D).programs if not prog.of}
-    assert set(names) == want
+    assert set(names) == want | sums

@@ -635,8 +635,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             rg_s = T.alloc_shared((BT,), acc)  # row sums - column sums of P (dG)
             rv_s = T.alloc_shared((BT,), acc)  # row sums of dvb * v
             if dg_sum:
-                d0_s = T.alloc_shared((BT,), acc)  # dg0
-                sd_s = T.alloc_shared((BT,), acc)  # dg0 + dG, then its sums
+                d0_s = T.alloc_shared((BT,), acc)  # dg0, then the sums of dg0 + dG
+                sd_s = T.alloc_shared((BT,), acc)  # dg0 + dG
                 da = T.alloc_local((4,), acc)
             acc_c = T.alloc_fragment((BT, BT), acc)
             acc_c2 = T.alloc_fragment((BT, BT), acc)
@@ -808,11 +808,11 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 T.copy(k_s, dk[t0 : t0 + BT, ihv, 0:K])
             else:
                 T.copy(acc_k, dk[t0 : t0 + BT, ihv, 0:K])
-            if dg_sum:  # the gates' gradient per step, summed in place by the first warp (a lane rewrites the two it read)
+            if dg_sum:  # the gates' gradient per step, summed by the first warp (of each warpgroup: the same values)
                 scan_fetch(lambda step: sd_s[step], da)
-                scan_store(da, sd_s, (), reverse=True)
+                scan_store(da, d0_s, (), reverse=True)
                 for a in T.Parallel(BT):
-                    dg[t0 + a, ihv] = sd_s[a]
+                    dg[t0 + a, ihv] = d0_s[a]
 
     if l2norm and dg_sum:
 
