@@ -13,6 +13,7 @@ Triton < 3.7.1 on Hopper (its issue #640); `--lift-fla-check` lifts that for tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -97,8 +98,38 @@ def _jax_fns(impl, op):
 
 
 def bench_jax(impl, op, shape):
-    fwd, fwdbwd, args = jax_step(impl, op, shape)
-    return _jax_time(fwd, args), _jax_time(fwdbwd, args)
+    impl, _, alt = impl.partition("@")
+    with _alternative(ALTERNATIVES.get(alt, "")):
+        fwd, fwdbwd, args = jax_step(impl, op, shape)
+        return _jax_time(fwd, args), _jax_time(fwdbwd, args)
+
+
+# `--alt NAME=SPEC`: the tilelang backend configured otherwise, timed in the same process as `fla_jax:tilelang@NAME`
+ALTERNATIVES: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def _alternative(spec: str):
+    """The tilelang backend's switches and experiment overrides as `spec` sets them while the
+    functions trace: comma-separated `xla-zeros` (ZERO_ROW_H0, ZERO_ROW_DHT off) and
+    `op.direction.program=experiment` entries."""
+    from fla_jax import tilelang_backend as tb
+
+    saved = (tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT, dict(tb.EXPERIMENT_OVERRIDES))
+    try:
+        for item in filter(None, spec.split(",")):
+            if item == "xla-zeros":
+                tb.ZERO_ROW_H0 = tb.ZERO_ROW_DHT = False
+            else:
+                where, _, name = item.partition("=")
+                if len(where.split(".")) != 3 or not name:
+                    raise ValueError(f"--alt: {item!r} is neither xla-zeros nor op.direction.program=experiment")
+                tb.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
+        yield
+    finally:
+        tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT = saved[:2]
+        tb.EXPERIMENT_OVERRIDES.clear()
+        tb.EXPERIMENT_OVERRIDES.update(saved[2])
 
 
 def jax_step(impl, op, shape):
@@ -183,12 +214,18 @@ def main(argv=None):
                     help="tilelang delta rules: the forward with no gradient through the WY kernel's w and u (DELTA_FWD_INVERSE off)")
     ap.add_argument("--delta-fwd-inverse", default=None, metavar="K,K",
                     help="tilelang delta rules: the head dims whose forward with no gradient is the inverse's (DELTA_FWD_INVERSE)")
-    ap.add_argument("--zero-rows", action="store_true",
-                    help="tilelang: calls with no initial state give the passes h0 with no rows (ZERO_ROW_H0), and the reverse "
-                         "passes no dht (a loss of o alone) and no dh0 (ZERO_ROW_DHT)")
+    ap.add_argument("--xla-zeros", action="store_true",
+                    help="tilelang: XLA's zero states for the passes where a call has no initial state or the loss takes no final "
+                         "state (ZERO_ROW_H0, ZERO_ROW_DHT off; by default the passes get no rows and start from zeros)")
+    ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
+                    help="tilelang configured otherwise (comma-separated xla-zeros, op.direction.program=experiment), timed "
+                         "in the same process as the implementation fla_jax:tilelang@NAME (name it in --impls)")
     ap.add_argument("--experiments", default="",
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
+    for alt in args.alt:
+        name, _, spec = alt.partition("=")
+        ALTERNATIVES[name] = spec
     from fla_jax import tilelang_backend
 
     for item in filter(None, args.experiments.split(",")):
@@ -196,8 +233,8 @@ def main(argv=None):
         if len(where.split(".")) != 3 or not name:
             ap.error(f"--experiments: {item!r} is not op.direction.program=experiment")
         tilelang_backend.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
-    if args.zero_rows:
-        tilelang_backend.ZERO_ROW_H0 = tilelang_backend.ZERO_ROW_DHT = True
+    if args.xla_zeros:
+        tilelang_backend.ZERO_ROW_H0 = tilelang_backend.ZERO_ROW_DHT = False
     if args.delta_xla_vjps:
         tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = False
     if args.delta_fwd_inverse is not None:

@@ -18,6 +18,12 @@ from fla_jax import tilelang_backend as tb
 from fla_jax._problem import Problem
 
 
+# where each program kind takes the gates among its inputs (as `_gates_for` forms them for the dispatched program;
+# an experiment may take them otherwise: `programs` then forms them from its config)
+GATE_ARGS = {"simple_gla": {"fused": 3, "fused_h": 3, "dh": 2},
+             "delta": {"fused": 4, "fused_h": 4, "dh": 4, "wy": 2, "wy_t": 2, "wy_t_l2": 3, "inv": 1, "inv_l2": 2}}
+
+
 def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     """(name, jitted call, args) for every program of the simple GLA (`op="simple_gla"`), GLA
     (`"gla"`) or delta rule (`op="delta"`) forward and backward variants (experimental configs included), on the flat
@@ -116,9 +122,10 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         for prog in variant.programs:
             results, args, attrs = calls[prog.kind]
             config = dict(prog.config)
-            if config.get("g_scan"):  # the gates per step in G's place (the inverses' second / third input, else the fourth)
-                i = {"inv": 1, "inv_l2": 2}.get(prog.kind, 3)
-                args = (*args[:i], steps.reshape(B * T, H), *args[i + 1 :])
+            i = GATE_ARGS.get(op, {}).get(prog.kind)
+            if i is not None:  # the gates as this program takes them: per step (`g_scan`), as per-chunk rows (`g_rows`), or G
+                gate = steps.reshape(B * T, H) if config.get("g_scan") else tb._gate_rows(G, 64) if config.get("g_rows") else G
+                args = (*args[:i], gate, *args[i + 1 :])
             if config.get("g_scan") and prog.kind.startswith("wy_t"):  # (the WY kernel summing the gates also writes G, its rows)
                 results = (*results, jax.ShapeDtypeStruct((B * T, H), jnp.float32), jax.ShapeDtypeStruct((B * T // 64, H, 64), jnp.float32))
             if config.get("dg_sum"):  # (the WY VJP adding the consumer's dG: G stands in for it)

@@ -102,14 +102,14 @@ SPLIT_MIN_CHUNKS = 8
 
 # Calls with no initial state: the forward state passes get `h0` with no rows and start from zeros
 # themselves (`kernels.common.initial_state`), so that XLA writes no `[N, H, K, V]` zeros for them
-# (1.9 us and a launch at 4,4096,16,128). Built 2026-12-05 and run on CPU only (no GPU lent since):
-# off until the GPU tests have run it (`test_tilelang_without_initial_state`); XLA's zeros when off.
-ZERO_ROW_H0 = False
+# (1.9 us and a launch at 4,4096,16,128); XLA's zeros when off. On since 2026-12-05 (the GPU tests,
+# `test_tilelang_without_initial_state`, passed on an H100).
+ZERO_ROW_H0 = True
 # Likewise the reverse passes: where the loss takes no final state (its cotangent a symbolic zero) they
 # get `dht` with no rows and start from zeros, and where the call has no initial state they write no
 # `dh0` (`kernels.common.final_state`): XLA's `[N, H, K, V]` zeros in every training step that uses o
-# alone go. Built 2026-12-05, CPU only; off until the GPU tests have run it.
-ZERO_ROW_DHT = False
+# alone go. On since 2026-12-05 (the same tests).
+ZERO_ROW_DHT = True
 
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.

@@ -77,8 +77,9 @@ NO_DV: Final = (("delta", True), ("no_dv", True))
 # rows `[NT, HV, C]` and load them by TMA with the stage (each loading thread's load of a column delayed it)
 G_ROWS: Final = (("g_rows", True),)
 # the gates per step, summed within each chunk by one warp of the program (`kernels.common.scan_store`): in the
-# forward with no gradient XLA's cumulative sum and, for simple GLA, its transpose to rows go (built 2026-12-05,
-# not yet run on a GPU: the experiments x_fused_scan, x_inv_scan, x_inv_l2_scan)
+# forward with no gradient XLA's cumulative sum and, for simple GLA, its transpose to rows go (simple GLA's `fused`
+# at K <= 128 since 2026-12-05; the delta rules' inverse as the experiments x_inv_scan, x_inv_l2_scan: 0.0904
+# against 0.0893 ms for `inv_l2` at 4,4096,16,128 on an H100, the op's gain within the noise between processes)
 G_SCAN: Final = (("g_scan", True),)
 # under a gradient (built 2026-12-05, not yet run on a GPU): the delta rules' training WY kernel summing the gates
 # per step and writing G and its rows (`x_wy_t_l2_scan`: XLA's cumulative sum and transpose go; at K = 256, where
@@ -107,8 +108,11 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # stages (0.073 against 0.089 ms with two at 8,2048,16,64 bf16, H200, 2026-12-03; at K = 128
         # 0.1004 / 0.1823 against 0.1025 / 0.1844 at 4,4096,16,128 / 2,8192,16,128, 2026-12-04, ten
         # launches a sample, interleaved)
+        # Since 2026-12-05 summing the gates per step itself (G_SCAN, by one warp of the loading warpgroup): 0.1721
+        # against 0.1842 ms with G's rows by TMA at 4,4096,16,128 (bf16, H100, ten launches a sample, interleaved),
+        # and XLA's cumulative sum and transpose go (the op's forward 0.202 -> 0.186 ms with ZERO_ROW_H0 too)
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_ROWS, ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
+                config=(*G_SCAN, ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=G_ROWS),
         # (with ROW_FACTORS 0.134 against 0.125 ms at 4,4096,16,128 bf16, H200, 2026-12-04: not taken here)
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
@@ -353,8 +357,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # 2,8192,16,128 where 64 programs leave half the GPU idle; the output's two GEMMs in flight together with
     # P in registers, 0.135 against 0.139.)
     ("simple_gla", "fwd", "bf16", 128): (
-        Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_SCAN, ("stages", 3), *ROW_FACTORS)),
+        # G's per-chunk rows by TMA (dispatched before G_SCAN)
+        Program(name="x_fused_rows", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_ROWS, ("stages", 3), *ROW_FACTORS)),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
@@ -368,8 +373,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # at K = 64 too (0.099 against 0.063 ms for the warp-specialized pass at 8,2048,16,64); two output
     # warpgroups under a gradient (slower here)
     ("simple_gla", "fwd", "bf16", 64): (
-        Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_SCAN, ("stages", 3), *ROW_FACTORS)),
+        Program(name="x_fused_rows", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_ROWS, ("stages", 3), *ROW_FACTORS)),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
         Program(name="x_fused_h_2out", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),

@@ -262,10 +262,11 @@ def test_tilelang_without_initial_state(case, scan, monkeypatch):
     assert not bad, bad
 
 
-def _program_inputs(op: str, name: str, dtype: str, D: int, g_scan: bool | None = None):
-    """(results, args, attrs) for one program kind on 2 sequences of 192 and 320 tokens; the gates
-    summed in chunks, or per step where the program sums them (`g_scan`; None: as the dispatched
-    program of that kind does)."""
+def _program_inputs(op: str, name: str, dtype: str, D: int):
+    """(results, args, attrs) for one program kind on 2 sequences of 192 and 320 tokens, as the
+    program of that kind that runs (`tilelang_backend._program`: an experiment where
+    `EXPERIMENT_OVERRIDES` puts one in its place) takes them: the gates summed in chunks (columns,
+    or per-chunk rows), or per step where it sums them itself."""
     rng = np.random.default_rng(5)
     L, H, NT = 512, 3, 8
     x = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
@@ -278,7 +279,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, g_scan: bool | None 
     prob = _problem.Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
     gates_for = lambda direction: tilelang_backend._gates_for(prob, direction, D, name, G, 64)  # G as program `name` takes it
     # the forward's program `name` takes the gates per step (and sums them itself)
-    takes_steps = lambda: tilelang_backend._config(prob, "fwd", D, name).get("g_scan") if g_scan is None else g_scan
+    takes_steps = lambda: tilelang_backend._config(prob, "fwd", D, name).get("g_scan")
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
@@ -370,11 +371,11 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     if main is None:  # (its kind is dispatched at other head dims only: the ops' float64 tests with it in place cover it)
         pytest.skip(f"no dispatched {prog.kind} at K = {K}: test_tilelang_without_initial_state runs {prog.name}")
     results, args, attrs = _program_inputs(op, main.name, variants.DTYPES[dt], K)
-    # the same inputs, but for the gates where the two take them differently (per step where one sums them; the
-    # training WY kernel then also writes G and its rows)
-    scan = dict(prog.config).get("g_scan", False)
-    results2, args2 = (results, args) if scan == dict(main.config).get("g_scan", False) else \
-        _program_inputs(op, main.name, variants.DTYPES[dt], K, scan)[:2]
+    # the same inputs as the experiment takes them (the gates per step where it sums them, or as rows: the inputs
+    # formed with it in its kind's place; the training WY kernel summing the gates also writes G and its rows)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, (op, direction, prog.kind), prog.name)
+        results2, args2 = _program_inputs(op, main.name, variants.DTYPES[dt], K)[:2]
     run = lambda p, r, a: jax.jit(lambda *a: tilelang_backend._call(variant.target(p), r, *a, **attrs))(*a)
     want = run(main, results, args)
     if len(results2) > len(results):  # G (the main program's input) and its rows [NT, H, 64]

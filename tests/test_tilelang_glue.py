@@ -97,16 +97,18 @@ NO_H0_CASES = [
 ]
 
 
-@pytest.mark.parametrize("terms", [("o", "ht"), ("o",), ("ht",)], ids=["loss_of_o_ht", "loss_of_o", "loss_of_ht"])
+@pytest.mark.parametrize("terms,zero_rows", [(("o", "ht"), True), (("o",), True), (("ht",), True), (("o",), False)],
+                         ids=["loss_of_o_ht", "loss_of_o", "loss_of_ht", "loss_of_o_xla_zeros"])
 @pytest.mark.parametrize("case", NO_H0_CASES, ids=str)
-def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, emulated, monkeypatch):
+def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows, emulated, monkeypatch):
     """With no initial state and ZERO_ROW_H0 every forward program gets `h0` with no rows; with the
     G_SCAN experiments put in place (`EXPERIMENT_OVERRIDES`) the programs that sum the gates per
     step run (simple GLA's state pass, the delta rules' inverse and training WY kernel), given the
     gates per step, and the WY VJP that sums their gradient back (`dg_sum`): o, ht (with and
     without a gradient) and every gradient against float64, emulated. With ZERO_ROW_DHT too, under
     losses of o and ht, of o alone (the final state's cotangent a symbolic zero: the reverse pass
-    gets `dht` with no rows) and of ht alone (o's a symbolic zero); dh0 with no rows throughout."""
+    gets `dht` with no rows) and of ht alone (o's a symbolic zero); dh0 with no rows throughout.
+    With both switches off (`zero_rows` false) XLA's zeros, rows for every sequence."""
     rows, names, reverse = [], [], []
 
     def record(target, results, *args, **attrs):
@@ -118,19 +120,20 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, emulated,
         return kernel_emulator.call(target, results, *args, **attrs)
 
     monkeypatch.setattr(tilelang_backend, "_call", record)
-    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
-    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", True)
+    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", zero_rows)
+    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", zero_rows)
     monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
     for key, name in GATE_SCAN_EXPERIMENTS.items():
         monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
     errs = errors_against_float64(case, 41, terms=terms)
     print(case, names, {n: f"{e:.1e}" for n, e in errs.items()})
-    assert rows and set(rows) == {0}, rows
     N = case.B if case.cu is None else len(case.cu) - 1
-    assert reverse and set(reverse) == {(N if "ht" in terms else 0, 0)}, reverse
+    assert rows and (set(rows) == {0} if zero_rows else 0 not in rows), rows  # (XLA's zeros: a row a sequence, or a piece)
+    assert reverse and set(reverse) == {(N if "ht" in terms or not zero_rows else 0, 0 if zero_rows else N)}, reverse
     # (under a gradient, with use_qk_l2norm_in_kernel, the delta rules' training WY kernel and WY VJP too)
     # (at K = 256 the forward with no gradient has no inverse experiment: wy and fused)
-    scans = {"simple_gla": {"x_fused_scan"}, "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"}) if case.K <= 128 else set()
+    # (simple GLA's dispatched forward sums the gates itself)
+    scans = {"simple_gla": set(), "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"}) if case.K <= 128 else set()
     scans |= {"x_wy_t_l2_scan", "x_wy_bwd_l2_sum"} if case.l2norm else set()
     assert scans <= set(names), names
     tol = 1e-2 if case.op in ("delta_rule", "gated_delta_rule") else 5e-3
