@@ -301,10 +301,12 @@ def _wy_name(store_h: bool, l2norm: bool) -> str:
     return ("wy_t_l2" if l2norm else "wy_t") if store_h else "wy"
 
 
-def _gates_for(p: Problem, direction: str, K: int, name: str, G, C: int):
+def _gates_for(p: Problem, direction: str, K: int, name: str, G, C: int, rows=None):
     """`G [L, H]` as program `name` takes it: as it is, or where it loads it by TMA (`g_rows`) as
-    per-chunk rows (`_gate_rows`)."""
-    return _gate_rows(G, C) if _config(p, direction, K, name).get("g_rows") else G
+    per-chunk rows `[NT, H, C]`: `rows` where already formed, else `_gate_rows`."""
+    if not _config(p, direction, K, name).get("g_rows"):
+        return G
+    return _gate_rows(G, C) if rows is None else rows
 
 
 def _value_parts(p: Problem, K: int, V: int) -> int:
@@ -407,9 +409,9 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
             *wy, qf, kf, rq, rk = wy
             norms = tuple(x.reshape(B, Lr, *x.shape[1:]) for x in (qf, kf, rq, rk))
         name = "fused_h" if store_h else "fused"
-        if grows is None and (store_rows or _config(p, "fwd", K, name).get("g_rows")):  # (XLA's transpose)
+        if grows is None and store_rows:  # (XLA's transpose, for this pass and the backward's)
             grows = _gate_rows(Gf, C)
-        ins, extra = (qf, kf, *wy[:2], grows if _config(p, "fwd", K, name).get("g_rows") else Gf), (_like(vf),)  # extra result: v_new
+        ins, extra = (qf, kf, *wy[:2], _gates_for(p, "fwd", K, name, Gf, C, grows)), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
     elif p.op == "gla":  # the intra-chunk matrix, G (both kept) and q exp(G), k exp(G_C - G) for the state pass
@@ -540,7 +542,7 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     # value heads -> q/k heads (nothing where they are the same)
     group_sum = lambda x: x if HV == H else x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)
     # (with dv_new, `du`, the gradient of v_new that its chain forms)
-    gates = grows.reshape(-1, *grows.shape[2:]) if store_rows else _gates_for(p, "bwd", K, "dh", Gf, C)  # (rows the forward formed)
+    gates = _gates_for(p, "bwd", K, "dh", Gf, C, grows.reshape(-1, *grows.shape[2:]) if store_rows else None)  # (rows the forward formed)
     dh, dh0, du = _call(bwd["dh"], (_like(hf), dh0_like, _like(vf)), qf, kf, wd, dof, gates, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     heads = lambda x: _like(x, None, HV)
