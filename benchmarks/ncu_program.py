@@ -195,10 +195,34 @@ def stalls(path: str, top: int = 25):
         print(f"{n(r, 'Warp Stall Sampling (All Samples)'):7d}  {r[ix['Source']].strip()[:60]:60s} {main}")
 
 
+DETAILS = ("Duration", "SM Frequency", "DRAM Frequency", "Memory Throughput", "DRAM Throughput", "L2 Cache Throughput",
+           "Compute (SM) Throughput", "Registers Per Thread", "Dynamic Shared Memory Per Block", "Achieved Occupancy",
+           "Warp Cycles Per Issued Instruction", "L2 Hit Rate", "Executed Ipc Active")
+
+
+def details(path: str, least_us: float = 5.0):
+    """The main figures of each kernel on an ncu details page (CSV) that ran at least `least_us`:
+    its name, grid and block, then DETAILS where present (unit as ncu gives it)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    kernels = collections.defaultdict(dict)
+    for r in rows:
+        if r.get("Metric Name") in DETAILS:
+            kernels[(r["ID"], r["Kernel Name"][:70], r["Grid Size"], r["Block Size"])][r["Metric Name"]] = (r["Metric Value"], r["Metric Unit"])
+    for (i, name, grid, block), m in kernels.items():
+        v, unit = m.get("Duration", ("0", "us"))
+        us = float(v.replace(",", "")) * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "msecond": 1e3, "usecond": 1.0, "nsecond": 1e-3}.get(unit, 1.0)
+        if us < least_us:
+            continue
+        print(f"[{i}] {name} grid {grid} block {block}")
+        print("    " + "; ".join(f"{k} {v} {u}" for k, (v, u) in m.items()))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("targets", nargs="*")
     ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu SASS source page instead")
+    ap.add_argument("--details", metavar="CSV", help="summarise an ncu details page (every kernel of 5 us or more) instead")
     ap.add_argument("--gen", default="build/gen")
     ap.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD")
     ap.add_argument("--reps", type=int, default=30)
@@ -207,6 +231,8 @@ def main():
     args = ap.parse_args()
     if args.stalls:
         return stalls(args.stalls)
+    if args.details:
+        return details(args.details)
     if not args.targets:
         ap.error("name at least one target (or --stalls CSV)")
     B, T, H, _ = (int(x) for x in args.shape.split("x"))

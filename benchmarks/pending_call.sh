@@ -36,7 +36,7 @@ fi
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv,noheader
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
   -k "${SEL:-matches_float64 or without_initial_state or scan or l2_sum or fused_rows or forward_split}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30
@@ -66,6 +66,33 @@ if [ -n "${PROFILE:-}" ]; then  # the forward's kernels by name, ours and XLA's 
   for p in $PROFILE; do
     timeout 60 python3 benchmarks/profile_op.py --fwd --op ${p%%:*} --shape ${p#*:} 2>&1 | grep -v "lines:" | tail -12 | tee -a "$O/profile.txt"
   done
+  echo "t=${SECONDS}"
+fi
+if [ -n "${NCUOP:-}" ]; then  # each impl's forward kernels under Nsight Compute (NCUOP="op:BxTxHxD ...", clocks as run):
+  # clocks, throughput, occupancy of every kernel, then the stall samples of each impl's longest kernel
+  mkdir -p /tmp/ncuop
+  for p in $NCUOP; do
+    for impl in ${NCUIMPLS:-fla_jax:tilelang jla:mosaic_gpu}; do
+      tag=${p%%:*}_${impl%%:*}
+      run_op=(python3 benchmarks/profile_op.py --fwd --steps 1 --op ${p%%:*} --shape ${p#*:} --impl $impl)
+      timeout 120 ncu --clock-control none --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section WarpStateStats --section MemoryWorkloadAnalysis -c 40 -f -o /tmp/ncuop/$tag "${run_op[@]}" > /tmp/ncuop/$tag.log 2>&1
+      ncu -i /tmp/ncuop/$tag.ncu-rep --page details --csv > /tmp/ncuop/$tag.details.csv 2>/dev/null
+      python3 benchmarks/ncu_program.py --details /tmp/ncuop/$tag.details.csv | tee "$O/details_$tag.txt" | tail -8
+      k=$(python3 -c "
+import csv, sys
+d = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    if r['Metric Name'] == 'Duration': d[r['Kernel Name']] = max(d.get(r['Kernel Name'], 0), float(r['Metric Value'].replace(',', '')))
+print(max(d, key=d.get).split('(')[0].split()[-1] if d else '')" /tmp/ncuop/$tag.details.csv)
+      [ -z "$k" ] && continue
+      timeout 120 ncu --clock-control none --set full -k "regex:$k" -c 1 -f -o /tmp/ncuop/${tag}_full "${run_op[@]}" > /dev/null 2>&1
+      ncu -i /tmp/ncuop/${tag}_full.ncu-rep --page source --csv --print-source sass > /tmp/ncuop/${tag}_full.csv 2>/dev/null
+      echo "== $tag: $k" | tee "$O/stalls_$tag.txt"
+      python3 benchmarks/ncu_program.py --stalls /tmp/ncuop/${tag}_full.csv >> "$O/stalls_$tag.txt" 2>&1; sed -n 2,12p "$O/stalls_$tag.txt"
+    done
+  done
+  tar czf "$O/ncuop.tgz" -C /tmp ncuop
   echo "t=${SECONDS}"
 fi
 if [ -n "${BENCH:-}" ]; then
