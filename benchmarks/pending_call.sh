@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). After the twenty-fourth session (2026-12-05; two calls on an H100, a third
-# refused after the flip): simple GLA's `fused` summing its gates itself (G_SCAN, dispatched at K <= 128 in
-# every dtype; its GPU tests ran as the experiment in bf16 only) and ZERO_ROW_H0 / ZERO_ROW_DHT (on) need
-# the ops' float64 cases (fp16, h0) on a GPU, and the op timing in one process against the configuration
-# before (`bench.py --alt`: old = XLA's zeros and G's rows by TMA; inv = the inverse's scan). SEL's
-# default runs the float64 cases, the no-h0 cases, the split forward and the experiments of the gate
-# sums; BENCH=1 the ops beside jla with ALTS (`--alt` arguments) as extra columns; NEW=1 the ops with the
-# remaining gate-sum experiments in place. PROGS / PROGS2 time programs by target name (OLD=dir copies in
-# a previous build's cubins as old_*), NCU profiles them, PROFILE lists an op's kernels and XLA's glue.
+# session for what is owed). Twenty-fifth session (2026-12-05): on the H100 simple GLA's forward ran 1.7x
+# behind jla's (0.195 against 0.114 ms at 4,4096,16,128; level on the H200), though both are the same
+# warp-specialized design: NCUOP profiles both impls' forward kernels with clocks as run (SM frequency,
+# DRAM throughput, occupancy, stall samples of the longest kernel); `x_fused_t` (S^T carried, jla's state
+# GEMM with its left operand in registers) is timed against `fused` (PROGS) and as an op (ALTS).
+# SEL picks the GPU tests; BENCH=1 times the ops beside jla with ALTS (`--alt` arguments) as extra
+# columns; NEW=1 the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target
+# name (OLD=dir copies in a previous build's cubins as old_*), NCU profiles them, PROFILE lists an op's
+# kernels and XLA's glue.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
 #   run(command="OUT=$OUT bash benchmarks/pending_call.sh", carry=[".whl", "fla_jax/_ext.abi3.so", ".prof"])
 #
-# The owed call after the twenty-fourth session (no PROGS: carry .whl and the extension only):
-#   OUT=$OUT TT=240 BENCH=1 OPS=simple_gla,gdn TB=330 bash benchmarks/pending_call.sh
+# The call of the twenty-fifth session (after `PROGS=... PROGS2=... bash benchmarks/pending_call.sh prep`):
+#   OUT=$OUT TT=150 SEL="(matches_float64 and simple_gla) or without_initial_state or x_fused_t" \
+#     PROGS="fla_simple_gla_fwd_bf16_k128_v128_c64_fused fla_simple_gla_fwd_bf16_k128_v128_c64_x_fused_t" \
+#     PROGS2="fla_simple_gla_fwd_bf16_k64_v64_c64_fused fla_simple_gla_fwd_bf16_k64_v64_c64_x_fused_t" SHAPES2=8x2048x16x64 \
+#     NCUOP=simple_gla:4x4096x16x128 BENCH=1 OPS=simple_gla ALTS=t=simple_gla.fwd.fused=x_fused_t TB=150 \
+#     bash benchmarks/pending_call.sh
 #
 # On the GPU: the ops' GPU tests against float64 (NaN-poisoned), then the programs named timed beside
 # the ones they would replace (benchmarks/ncu_program.py, ten launches a sample, in turn), then the ops.

@@ -60,7 +60,7 @@ def publish_state(b_h, s_s, s_ready, s_free, i, store_h, h, c0, head, iv):
 
 @T.macro
 def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages, t0, head,
-                 iv, scale, values_published, pub_i, q_sync=None):
+                 iv, scale, values_published, pub_i, q_sync=None, state_t=False):
     """Warpgroup 1 of a warp-specialized scalar-gate forward state pass (simple GLA, the delta
     rules), at chunk `i` in stage `slot`: `P = scale Q K^T * exp(G_i - G_j)` (j <= i) while
     warpgroup 0 works, then `o = scale (q * exp(G)) S + P values` from the state warpgroup 0
@@ -69,7 +69,7 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
     it, not after the state's. `pub_i`: how many states were published into `h_s` before this
     one (`i` where one warpgroup takes every chunk). `q_sync`: `(full, free, j)` where q has one
     buffer of its own (`q_s[0]`, `stage_loads`' `singles`), waited for on `full[j]` and freed on
-    `free[j]` once read."""
+    `free[j]` once read. `state_t`: `h_s` holds `S^T [BV, K]`."""
     BT = int(o_s.shape[0])
     T.barrier_wait(full[slot], (i // stages) % 2)
     if q_sync is not None:
@@ -80,20 +80,21 @@ def output_chunk(q_s, k_s, g_s, h_s, values, p_s, acc_s, acc_o, o_s, o, full, fr
         acc_s[r, c] = T.if_then_else(r >= c, acc_s[r, c] * T.exp(g_s[slot, r] - g_s[slot, c]) * scale, 0.0)
     T.copy(acc_s, p_s)
     output_from_p(q_s, g_s, h_s, values, p_s, acc_o, o_s, o, free, s_ready, s_free, slot, t0, head, iv, scale, values_published,
-                  pub_i, q_sync=q_sync)
+                  pub_i, q_sync=q_sync, state_t=state_t)
 
 
 @T.macro
 def output_from_p(q_s, g_s, h_s, values, p_s, acc_o, o_s, o, free, s_ready, s_free, slot, t0, head, iv, scale, values_published,
-                  pub_i, transposed=False, q_sync=None):
+                  pub_i, transposed=False, q_sync=None, state_t=None):
     """`output_chunk` once `P` is in `p_s`: `o = scale (q * exp(G)) S + P values` from the state
     published in `h_s` (waited for on `s_ready`), stage `slot` freed, `o` stored (the output
     warpgroup of a pass whose P another warpgroup forms calls it alone). `transposed`: `h_s` and
-    `values` hold `S^T [BV, K]` and `values^T [BV, BT]`. `q_sync` as for `output_chunk`."""
+    `values` hold `S^T [BV, K]` and `values^T [BV, BT]`; `state_t`, where given, says it of `h_s`
+    alone. `q_sync` as for `output_chunk`."""
     BT, BV = (int(d) for d in o_s.shape)
     T.barrier_wait(s_ready[0], pub_i % 2)
     T.clear(acc_o)
-    T.gemm(q_s[slot if q_sync is None else 0, :, :], h_s, acc_o, transpose_B=transposed)
+    T.gemm(q_s[slot if q_sync is None else 0, :, :], h_s, acc_o, transpose_B=transposed if state_t is None else state_t)
     if q_sync is not None:
         T.barrier_arrive(q_sync[1][q_sync[2]])
     if not values_published:

@@ -360,6 +360,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # G's per-chunk rows by TMA (dispatched before G_SCAN)
         Program(name="x_fused_rows", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_ROWS, ("stages", 3), *ROW_FACTORS)),
+        # as jla's fused_fwd: S^T carried, the state GEMM's left operand (the decayed v^T) in registers
+        # (built 2026-12-05, not yet run on a GPU)
+        Program(name="x_fused_t", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_SCAN, ("stages", 3), ("transposed", True))),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
@@ -375,6 +379,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ("simple_gla", "fwd", "bf16", 64): (
         Program(name="x_fused_rows", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_ROWS, ("stages", 3), *ROW_FACTORS)),
+        Program(name="x_fused_t", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_SCAN, ("stages", 3), ("transposed", True))),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
         Program(name="x_fused_h_2out", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),

@@ -227,7 +227,7 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
 
 
 def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
-                   g_rows: bool = False, row_factors: bool = False, g_scan: bool = False):
+                   g_rows: bool = False, row_factors: bool = False, g_scan: bool = False, transposed: bool = False):
     """`chunk_fwd` with two output warpgroups taking alternate chunks (512 threads): warpgroup 3
     streams the loads into `stages` stages, warpgroup 0 runs the state chain and publishes chunk i's
     state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage `i % stages`
@@ -237,9 +237,16 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
     storing h 0.148 / 0.221 against 0.180 / 0.255; at 8,2048,16,64 0.073 against 0.075, storing
     h 0.098 against 0.085 (so not dispatched there). `stages`: the loads' pipeline depth (chunk i
     in stage `i % stages`; three and four built as experiments). `row_factors`: warpgroup 0 forms
-    `exp(G_C - G)` once per row (`_state_update`); the same bits. `g_scan`: as `chunk_fwd`'s."""
+    `exp(G_C - G)` once per row (`_state_update`); the same bits. `g_scan`: as `chunk_fwd`'s.
+    `transposed` (no `store_h`): warpgroup 0 carries `S^T [BV, K]` as jla's `fused_fwd` does, so that
+    its GEMM takes the decayed `v^T` from registers, `S^T <- exp(G_C) S^T + (v^T Diag(exp(G_C - G))) k`
+    (no tile written to shared memory and waited for on the chain; `exp(G_C - G)` once per column
+    of its fragment), and publishes S^T, which the output warpgroups' `q S` reads transposed."""
+    if transposed and store_h:
+        raise ValueError("chunk_fwd_2out(transposed=True) is written without store_h")
     L, H, N, NT = T.dynamic("L, H, N, NT")
     acc = "float32"
+    st = (BV, K) if transposed else (K, BV)  # the state's tiles: S^T or S
 
     @T.macro
     def body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h):
@@ -250,19 +257,23 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
             k_s = T.alloc_shared((stages, BT, K), dtype)
             v_s = T.alloc_shared((stages, BT, BV), dtype)
             g_s = T.alloc_shared((stages, BT), acc)
-            h_s0 = T.alloc_shared((K, BV), dtype)
-            h_s1 = T.alloc_shared((K, BV), dtype)
-            vd_s = T.alloc_shared((BT, BV), dtype)
+            h_s0 = T.alloc_shared(st, dtype)
+            h_s1 = T.alloc_shared(st, dtype)
+            if transposed:  # the decayed v^T, the state GEMM's left operand, and its column factors
+                x_t = T.alloc_fragment((BV, BT), dtype)
+                fd = T.alloc_fragment((BT,), acc)
+            else:
+                vd_s = T.alloc_shared((BT, BV), dtype)
             p_s0 = T.alloc_shared((BT, BT), dtype)
             p_s1 = T.alloc_shared((BT, BT), dtype)
             o_s0 = T.alloc_shared((BT, BV), dtype)
             o_s1 = T.alloc_shared((BT, BV), dtype)
-            b_h = T.alloc_fragment((K, BV), acc)
+            b_h = T.alloc_fragment(st, acc)
             acc_o0 = T.alloc_fragment((BT, BV), acc)
             acc_s0 = T.alloc_fragment((BT, BT), acc)
             acc_o1 = T.alloc_fragment((BT, BV), acc)
             acc_s1 = T.alloc_fragment((BT, BT), acc)
-            rf = (T.alloc_fragment((BT,), acc), T.alloc_fragment((BT, BV), dtype)) if row_factors else (None, None)
+            rf = (T.alloc_fragment((BT,), acc), T.alloc_fragment((BT, BV), dtype)) if row_factors and not transposed else (None, None)
             full = T.alloc_barrier([128] * stages)
             free = T.alloc_barrier([256] * stages)  # warpgroup 0 and the stage's output warpgroup
             s_ready0 = T.alloc_barrier([128])
@@ -275,7 +286,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                 stage_loads(_loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows, g_scan), full, free, nc, stages, c0, 1)
             with T.ws(0):
                 T.set_max_nreg(200, 1)
-                initial_state(h0, b_h, n, ih, iv)
+                initial_state(h0, b_h, n, ih, iv, transposed)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
@@ -283,10 +294,24 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                         publish_state(b_h, h_s0, s_ready0, s_free0, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
                     else:
                         publish_state(b_h, h_s1, s_ready1, s_free1, i // 2, store_h, h, c0 + i - i // 2, ih, iv)
-                    _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot, *rf)
+                    if transposed:
+                        for c in T.Parallel(BT):
+                            fd[c] = T.exp(g_s[slot, BT - 1] - g_s[slot, c])
+                        for r, c in T.Parallel(BV, BT):
+                            x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) * fd[c], dtype)
+                        for r, c in T.Parallel(BV, K):
+                            b_h[r, c] = b_h[r, c] * T.exp(g_s[slot, BT - 1])
+                        T.gemm(x_t, k_s[slot, :, :], b_h)
+                        T.barrier_arrive(free[slot])
+                    else:
+                        _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot, *rf)
                 if store_h:
                     T.tma_store_wait()
-                T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+                if transposed:
+                    for r, c in T.Parallel(BV, K):
+                        ht[n, ih, c, iv * BV + r] = b_h[r, c]
+                else:
+                    T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
             outs = ((h_s0, p_s0, acc_s0, acc_o0, o_s0, s_ready0, s_free0), (h_s1, p_s1, acc_s1, acc_o1, o_s1, s_ready1, s_free1))
             for w, (h_s, p_s, acc_s, acc_o, o_s, s_ready, s_free) in enumerate(outs):  # chunks 2 j + w, buffer w
                 with T.ws(1 + w):
@@ -295,7 +320,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                         t0 = (c0 + 2 * j + w) * BT
                         slot = (2 * j + w) % stages  # w with two stages
                         output_chunk(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free,
-                                     2 * j + w, slot, stages, t0, ih, iv, scale, False, j)
+                                     2 * j + w, slot, stages, t0, ih, iv, scale, False, j, state_t=transposed)
 
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT), g_rows=g_rows).with_attr("fla.disable_shared_memory_reuse", 1)
 
