@@ -6,7 +6,10 @@ jax-linear-attention's kernels, in one process, and prints a table (JSON with --
 Inputs: bf16 q/k/v, float32 gates, K = V = D, no initial state; the delta rules take
 `use_qk_l2norm_in_kernel=True` (jla's `use_qk_l2norm=True`) in every library. JAX timings: the
 median over 10 repetitions of (10 back-to-back calls, then `block_until_ready`) / 10, after
-warm-up, fwd+bwd = `jax.value_and_grad` of `sum(o * do)`; torch timings: `triton.testing.do_bench` median. fla's gated backward is refused on
+warm-up, fwd+bwd = `jax.value_and_grad` of `sum(o * do)`; torch timings: `triton.testing.do_bench` median.
+With `--rounds R` the JAX implementations of an op and shape are compiled first, then timed in turn R
+times (so a drift of the GPU's clock falls on all alike): each the median of all its samples, and beside
+it the median over rounds of its time divided by the first implementation's in the same round. fla's gated backward is refused on
 Triton < 3.7.1 on Hopper (its issue #640); `--lift-fla-check` lifts that for timing only.
 """
 
@@ -48,7 +51,8 @@ def make_inputs(op, B, T, H, D, seed=0):
 # ----------------------------------------------------------------------------- JAX side
 
 
-def _jax_time(fn, args, reps=10, inner=10):
+def _jax_samples(fn, args, reps=10, inner=10):
+    """`reps` samples (ms a call) of `inner` back-to-back calls, after two warm-up calls."""
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -60,7 +64,11 @@ def _jax_time(fn, args, reps=10, inner=10):
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def _jax_time(fn, args, reps=10, inner=10):
+    return statistics.median(_jax_samples(fn, args, reps, inner))
 
 
 def _jax_fns(impl, op):
@@ -102,6 +110,40 @@ def bench_jax(impl, op, shape):
     with _alternative(ALTERNATIVES.get(alt, "")):
         fwd, fwdbwd, args = jax_step(impl, op, shape)
         return _jax_time(fwd, args), _jax_time(fwdbwd, args)
+
+
+def bench_jax_rounds(impls, op, shape, rounds):
+    """Rows for JAX implementations `impls` of one op and shape timed in turn `rounds` times
+    (`--rounds`), each compiled first under its configuration: `fwd_ms` / `fwdbwd_ms` the median of
+    all its samples, `fwd_ratio` / `fwdbwd_ratio` the median over rounds of its round median divided by
+    the first implementation's."""
+    steps, rows = {}, {}
+    for impl in impls:
+        base, _, alt = impl.partition("@")
+        try:
+            with _alternative(ALTERNATIVES.get(alt, "")):  # (traced and compiled here; later calls reuse that)
+                fwd, fwdbwd, args = jax_step(base, op, shape)
+                _jax_samples(fwd, args, reps=1, inner=1)
+                _jax_samples(fwdbwd, args, reps=1, inner=1)
+            steps[impl] = (fwd, fwdbwd, args)
+        except Exception as e:  # noqa: BLE001  (an unsupported combination is a row, not a crash)
+            traceback.print_exc(limit=2)
+            rows[impl] = {"impl": impl, "op": op, "shape": shape, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+    samples = {impl: ([], []) for impl in steps}
+    per_round = {impl: ([], []) for impl in steps}
+    for _ in range(rounds):
+        for impl, (fwd, fwdbwd, args) in steps.items():
+            for d, fn in enumerate((fwd, fwdbwd)):
+                ms = _jax_samples(fn, args)
+                samples[impl][d].extend(ms)
+                per_round[impl][d].append(statistics.median(ms))
+    first = next(iter(steps), None)
+    for impl in steps:
+        ratio = lambda d: statistics.median(a / b for a, b in zip(per_round[impl][d], per_round[first][d]))
+        rows[impl] = {"impl": impl, "op": op, "shape": shape, "fwd_ms": round(statistics.median(samples[impl][0]), 4),
+                      "fwdbwd_ms": round(statistics.median(samples[impl][1]), 4), "fwd_ratio": round(ratio(0), 4),
+                      "fwdbwd_ratio": round(ratio(1), 4), "rounds": rounds}
+    return [rows[impl] for impl in impls]
 
 
 # `--alt NAME=SPEC`: the tilelang backend configured otherwise, timed in the same process as `fla_jax:tilelang@NAME`
@@ -220,6 +262,8 @@ def main(argv=None):
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
                     help="tilelang configured otherwise (comma-separated xla-zeros, op.direction.program=experiment), timed "
                          "in the same process as the implementation fla_jax:tilelang@NAME (name it in --impls)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: the JAX implementations of each op and shape timed in turn this many times (fla apart)")
     ap.add_argument("--experiments", default="",
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
@@ -245,7 +289,13 @@ def main(argv=None):
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     impls = args.impls.split(",")
     rows = []
-    for impl in impls:  # fla last: its autotuning is slow
+    if args.rounds > 1:  # interleaved: the JAX implementations per op and shape, fla after them as before
+        for op in ops:
+            for shape in shapes:
+                for row in bench_jax_rounds([i for i in impls if i != "fla"], op, shape, args.rounds):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    for impl in impls if args.rounds == 1 else [i for i in impls if i == "fla"]:  # fla last: its autotuning is slow
         for op in ops:
             for shape in shapes:
                 try:
@@ -266,7 +316,12 @@ def main(argv=None):
             cells = []
             for impl in impls:
                 r = next(r for r in rows if r["impl"] == impl and r["op"] == op and r["shape"] == shape)
-                cells += ["-", "-"] if "error" in r else [f"{r['fwd_ms']:.3f}", f"{r['fwdbwd_ms']:.3f}"]
+                if "error" in r:
+                    cells += ["-", "-"]
+                elif "fwd_ratio" in r and impl != impls[0]:  # (--rounds: and the paired ratio to the first)
+                    cells += [f"{r['fwd_ms']:.3f} ({r['fwd_ratio']:.3f}x)", f"{r['fwdbwd_ms']:.3f} ({r['fwdbwd_ratio']:.3f}x)"]
+                else:
+                    cells += [f"{r['fwd_ms']:.3f}", f"{r['fwdbwd_ms']:.3f}"]
             print(f"| {op} | {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
     return rows
 

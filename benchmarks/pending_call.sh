@@ -6,7 +6,7 @@
 # DRAM throughput, occupancy, stall samples of the longest kernel); `x_fused_t` (S^T carried, jla's state
 # GEMM with its left operand in registers) is timed against `fused` (PROGS) and as an op (ALTS).
 # SEL picks the GPU tests; BENCH=1 times the ops beside jla with ALTS (`--alt` arguments) as extra
-# columns; NEW=1 the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target
+# columns, in turn ROUNDS times (default 5; `bench.py --rounds`, the ratio to ours beside each); NEW=1 the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target
 # name (OLD=dir copies in a previous build's cubins as old_*), NCU profiles them, PROFILE lists an op's
 # kernels and XLA's glue.
 # Two halves:
@@ -104,7 +104,7 @@ if [ -n "${BENCH:-}" ]; then
   alt_args=(); alt_impls=""
   for a in $ALTS; do alt_args+=(--alt "$a"); alt_impls="$alt_impls,fla_jax:tilelang@${a%%=*}"; done
   timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} \
-    --impls "fla_jax:tilelang$alt_impls,jla:mosaic_gpu" "${alt_args[@]}" --json "$O/bench.json" 2>&1 | grep -E "^\|" > "$O/bench.txt"
+    --impls "fla_jax:tilelang$alt_impls,jla:mosaic_gpu" "${alt_args[@]}" --rounds ${ROUNDS:-5} --json "$O/bench.json" 2>&1 | grep -E "^\|" > "$O/bench.txt"
   cat "$O/bench.txt"
   if [ -n "${NEW:-}" ]; then  # the same ops with the gate-summing experiments in place
     X=delta.fwd.inv=x_inv_scan,delta.fwd.inv_l2=x_inv_l2_scan,delta.fwd.wy_t_l2=x_wy_t_l2_scan,delta.bwd.wy_bwd_l2=x_wy_bwd_l2_sum

@@ -361,3 +361,22 @@ def test_bench_kernels_feeds_every_dispatched_program(op, D, emulated):
         names.append(name.split(":", 1)[1].split("@")[0])  # (GLA's a and dqkvg also at other gate scales, `@label`)
     want = {prog.name for d in ("fwd", "bwd") for prog in tilelang_backend._find_variant(op, d, "bfloat16", D, D).programs if not prog.of}
     assert set(names) == want | sums
+
+
+def test_bench_rounds_interleaves_the_implementations():
+    """benchmarks/bench.py --rounds: every JAX implementation of an op and shape (an `--alt`
+    configuration among them) gets a row with times and its paired ratio to the first one; an
+    unknown implementation a row with its error, not a crash."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench
+
+    rows = bench.main(["--ops", "simple_gla", "--shapes", "1x128x2x64", "--impls", "fla_jax:xla,fla_jax:xla@z,nope:x",
+                       "--alt", "z=xla-zeros", "--rounds", "2"])
+    assert [r["impl"] for r in rows] == ["fla_jax:xla", "fla_jax:xla@z", "nope:x"]
+    first, alt, bad = rows
+    assert first["fwd_ratio"] == first["fwdbwd_ratio"] == 1.0 and first["rounds"] == alt["rounds"] == 2
+    assert all(r[k] > 0 for r in (first, alt) for k in ("fwd_ms", "fwdbwd_ms", "fwd_ratio", "fwdbwd_ratio"))
+    assert "error" in bad and "nope:x" in bad["error"]
