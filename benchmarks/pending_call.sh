@@ -6,9 +6,10 @@
 # DRAM throughput, occupancy, stall samples of the longest kernel); `x_fused_t` (S^T carried, jla's state
 # GEMM with its left operand in registers) is timed against `fused` (PROGS) and as an op (ALTS).
 # SEL picks the GPU tests; BENCH=1 times the ops beside jla with ALTS (`--alt` arguments) as extra
-# columns, in turn ROUNDS times (default 5; `bench.py --rounds`, the ratio to ours beside each); NEW=1 the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target
-# name (OLD=dir copies in a previous build's cubins as old_*), NCU profiles them, PROFILE lists an op's
-# kernels and XLA's glue.
+# columns, in turn ROUNDS times (default 5; `bench.py --rounds`, the ratio to ours beside each); NEW=1
+# the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target name (OLD=dir
+# copies in a previous build's cubins as old_*), NCU profiles them, PROFILE lists an op's kernels and
+# XLA's glue.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
