@@ -139,7 +139,7 @@ def bench_jax_rounds(impls, op, shape, rounds):
                 per_round[impl][d].append(statistics.median(ms))
     first = next(iter(steps), None)
     for impl in steps:
-        ratio = lambda d: statistics.median(a / b for a, b in zip(per_round[impl][d], per_round[first][d]))
+        ratio = lambda d, impl=impl: statistics.median(a / b for a, b in zip(per_round[impl][d], per_round[first][d]))
         rows[impl] = {"impl": impl, "op": op, "shape": shape, "fwd_ms": round(statistics.median(samples[impl][0]), 4),
                       "fwdbwd_ms": round(statistics.median(samples[impl][1]), 4), "fwd_ratio": round(ratio(0), 4),
                       "fwdbwd_ratio": round(ratio(1), 4), "rounds": rounds}

@@ -393,6 +393,12 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the delta rules' state-gradient pass in one warpgroup (the default before)
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
+        # the products from T's and dT's hi halves alone (`lo=False`; fla's precision: its A in bf16), 12 GEMMs a
+        # program instead of 21 (built 2026-12-05, not yet run on a GPU)
+        Program(name="x_wy_bwd_l2_hi", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("lo", False))),
+        Program(name="x_wy_bwd_hi", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("lo", False))),
         Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), *DG_SUM)),
         Program(name="x_dh_1wg", of="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0", "du"),
@@ -433,6 +439,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("l2norm", True), *DG_SUM)),
     ),
     ("delta", "bwd", "bf16", 64): (
+        Program(name="x_wy_bwd_l2_hi", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("lo", False))),
+        Program(name="x_wy_bwd_hi", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("lo", False))),
         Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), *DG_SUM)),
         # the WY VJP with T in a float32 shared tile (dispatched before t_regs)

@@ -225,6 +225,29 @@ def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
     assert not bad, bad
 
 
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in DELTA_GPU_CASES if c.K <= 128 and c.dtype == "bfloat16"], ids=str)
+def test_tilelang_delta_hi_only_wy_vjp_against_float64(case, monkeypatch):
+    """The WY VJP taking T's and dT's hi halves alone (`x_wy_bwd_hi`, `x_wy_bwd_l2_hi`: the input
+    dtype's rounding of T, as fla's bf16 A) in place of the dispatched program, against float64
+    under NaN-poisoned outputs with fla's ratios, beside the dispatched program's errors."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    diff, cot = make_inputs(case, 13)
+    ref_g, _ = reference_grads(case, diff, cot)
+    errs = {}
+    for tag, overrides in (("", {}), ("_hi", {(case.op, "bwd", "wy_bwd"): "x_wy_bwd_hi", (case.op, "bwd", "wy_bwd_l2"): "x_wy_bwd_l2_hi"})):
+        with pytest.MonkeyPatch.context() as mp:
+            for where, name in overrides.items():
+                mp.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, where, name)
+            grads, _ = loss_and_outputs(case, "tilelang")(diff, cot)
+        errs.update({"d" + n + tag: err_ratio(ref_g[n], grads[n]) for n in diff})
+    print(case, {n: f"{e:.1e}" for n, e in errs.items()})
+    limit = lambda n: 0.02 if n.startswith(("dbeta", "dg")) else 0.008
+    bad = {n: e for n, e in errs.items() if not e <= limit(n)}
+    assert not bad, bad
+
+
 # no initial state: simple GLA dense (split in pieces with no gradient) and varlen, GLA, GDN at K = 128, 64 and 256 (there the training WY kernel normalising q and k, with the experiments), the delta rule
 NO_H0_GPU_CASES = [
     Case("simple_gla", 1, 4096, 2, 128, 128, dtype="bfloat16"),
@@ -396,7 +419,11 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     # path and GEMMs of bf16-rounded operands, so the two agree to the input dtype's rounding; so do
     # the state passes of one warpgroup and the warp-specialized ones (v exp(G_C - G) is rounded
     # where k exp(G_C - G) was, do exp(G) where q exp(G) was; the forward from T0 the other way round)
-    assert all(e <= (5e-3 if prog.kind in ("a", "fused", "fused_h", "dh", "fused_t") else 1e-2 if prog.kind == "dqkvg" else 2e-3) for e in errs), errs
+    # (the WY VJP from T's hi halves alone rounds T as fla does, not as the dispatched program: against float64 in
+    # test_tilelang_delta_hi_only_wy_vjp_against_float64)
+    limit = 2e-2 if dict(prog.config).get("lo") is False else 5e-3 if prog.kind in ("a", "fused", "fused_h", "dh", "fused_t") else \
+        1e-2 if prog.kind == "dqkvg" else 2e-3
+    assert all(e <= limit for e in errs), errs
 
 
 @on_hopper

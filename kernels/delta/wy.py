@@ -569,7 +569,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
                        tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False, t_regs: bool = False,
-                       l2norm: bool = False, dg_sum: bool = False):
+                       l2norm: bool = False, dg_sum: bool = False, lo: bool = True):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -600,6 +600,9 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     `dg_sum`: one more input, `dg0 [L, HV]` (float32, the consumer's gradient of G), and dg is the
     gradient of the gates per step: the reverse in-chunk cumulative sum of `dg0 + dG` by one warp
     (`kernels.common.scan_store(reverse=True)`), in place of XLA's add and reverse sum.
+    `lo=False`: the products take the float32 matrices' hi halves alone (T and the matrices formed
+    from dT rounded to the input dtype once, as fla's `prepare_wy_repr_bwd` takes its bf16 A): 12
+    tensor-core products a program instead of 21 (`t_regs`, not `dvb_once`); the sums as before.
     G, beta and r are loaded by each thread before dw's product (after it before 2026-12-04), so
     that their latency runs beside the TMA loads': `wy_bwd_l2` 0.304 against 0.316 ms at
     4,4096,16,128 bf16 on an H200 (`wy_bwd` 0.286 either way). (The chunk's whole h in one load and
@@ -708,14 +711,16 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             # X = dT T^T
             T.clear(acc_c)
             T.gemm(xh_s, th_s, acc_c, transpose_B=True)
-            T.gemm(xh_s, tl_s, acc_c, transpose_B=True)
-            T.gemm(xl_s, th_s, acc_c, transpose_B=True)
+            if lo:
+                T.gemm(xh_s, tl_s, acc_c, transpose_B=True)
+                T.gemm(xl_s, th_s, acc_c, transpose_B=True)
             split(acc_c, None, xh_s, xl_s)
             # dA = -T^T X, strictly lower
             T.clear(acc_c)
             T.gemm(th_s, xh_s, acc_c, transpose_A=True)
-            T.gemm(th_s, xl_s, acc_c, transpose_A=True)
-            T.gemm(tl_s, xh_s, acc_c, transpose_A=True)
+            if lo:
+                T.gemm(th_s, xl_s, acc_c, transpose_A=True)
+                T.gemm(tl_s, xh_s, acc_c, transpose_A=True)
             T.clear(acc_kk)
             T.gemm(k_s, k_s, acc_kk, transpose_B=True)
             for a, b in T.Parallel(BT, BT):  # Q = dA * E * KK^T
@@ -743,7 +748,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             # dvb = T^T du; dv = dvb beta
             T.clear(acc_v)
             T.gemm(th_s, du_s, acc_v, transpose_A=True)
-            T.gemm(tl_s, du_s, acc_v, transpose_A=True)
+            if lo:
+                T.gemm(tl_s, du_s, acc_v, transpose_A=True)
             if dvb_once:  # dv into the spent du tile first, then the row sums take the product
                 T.sync_threads()  # every warp's share of the product has read du_s
                 for a, b in T.Parallel(BT, V):
@@ -758,7 +764,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             else:  # the product again
                 T.clear(acc_v)
                 T.gemm(th_s, du_s, acc_v, transpose_A=True)
-                T.gemm(tl_s, du_s, acc_v, transpose_A=True)
+                if lo:
+                    T.gemm(tl_s, du_s, acc_v, transpose_A=True)
                 for a, b in T.Parallel(BT, V):
                     acc_v[a, b] = acc_v[a, b] * b_s[a]
                 if tma_stores:  # through the spent v tile, whole rows per store
@@ -770,7 +777,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             # dkb = T^T dw; dk = dkb s + dkk k + dkk^T k
             T.clear(acc_k)
             T.gemm(th_s, dw_s, acc_k, transpose_A=True)
-            T.gemm(tl_s, dw_s, acc_k, transpose_A=True)
+            if lo:
+                T.gemm(tl_s, dw_s, acc_k, transpose_A=True)
             if tma_loads:  # dw_s is free: it takes dk0, in flight while the rest is formed
                 T.sync_threads()
                 T.tma_copy(dk0[t0 : t0 + BT, ihv, 0:K], dw_s, barrier=full[2])
@@ -789,9 +797,11 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
             for a, b in T.Parallel(BT, K):
                 acc_k[a, b] = acc_k[a, b] * b_s[a] * T.exp(g_s[a])
             T.gemm(xh_s, k_s, acc_k)
-            T.gemm(xl_s, k_s, acc_k)
+            if lo:
+                T.gemm(xl_s, k_s, acc_k)
             T.gemm(xh_s, k_s, acc_k, transpose_A=True)
-            T.gemm(xl_s, k_s, acc_k, transpose_A=True)
+            if lo:
+                T.gemm(xl_s, k_s, acc_k, transpose_A=True)
             if tma_loads:
                 T.barrier_wait(full[2], 0)
             for a, b in T.Parallel(BT, K):
