@@ -232,29 +232,27 @@ def initial_state(h0, b_h, n, head, iv, transposed=False, k0=0):
     """`b_h` <- the V block `iv` of sequence n's initial state `h0[n, head]` (`[K, BV]` from key
     channel `k0`, or `[BV, K]` with `transposed`), or zeros where the call has none: `h0` with no
     rows (`N0 = 0`), so that XLA writes no zero states for the pass to read. (The reverse passes
-    start so from the final state's gradient `dht`.)"""
+    start so from the final state's gradient `dht`.) The zeros come from TileLang's guard on the
+    load (`n < N0`, its dynamic extent: an element past it reads as zero). A branch around the
+    load and a clear instead (as written until 2026-12-05) made ptxas keep the state in local
+    memory in the warp-specialized state passes (768 bytes of spills a thread, tensor-core products
+    serialized); build.py now reports spills, and a test refuses them in the dispatched programs."""
     if transposed:
         BV, K = (int(d) for d in b_h.shape)
-        if h0.shape[0] > 0:
-            for r, c in T.Parallel(BV, K):
-                b_h[r, c] = h0[n, head, c, iv * BV + r]
-        else:
-            T.clear(b_h)
+        for r, c in T.Parallel(BV, K):
+            b_h[r, c] = h0[n, head, c, iv * BV + r]
     else:
         K, BV = (int(d) for d in b_h.shape)
-        if h0.shape[0] > 0:
-            T.copy(h0[n, head, k0 : k0 + K, iv * BV : (iv + 1) * BV], b_h)
-        else:
-            T.clear(b_h)
+        T.copy(h0[n, head, k0 : k0 + K, iv * BV : (iv + 1) * BV], b_h)
 
 
 @T.macro
 def final_state(b_h, ht, n, head, iv, k0=0):
     """`ht[n, head]`'s V block `iv` (from key channel `k0`) <- `b_h` `[K, BV]`, where `ht` has rows:
-    the reverse passes' `dh0`, which has none where the call has no initial state to take it."""
+    the reverse passes' `dh0`, which has none where the call has no initial state to take it
+    (TileLang's guard on the store, `n < N`, skips it then; no branch, as for `initial_state`)."""
     K, BV = (int(d) for d in b_h.shape)
-    if ht.shape[0] > 0:
-        T.copy(b_h, ht[n, head, k0 : k0 + K, iv * BV : (iv + 1) * BV])
+    T.copy(b_h, ht[n, head, k0 : k0 + K, iv * BV : (iv + 1) * BV])
 
 
 @T.macro

@@ -360,8 +360,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # G's per-chunk rows by TMA (dispatched before G_SCAN)
         Program(name="x_fused_rows", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_ROWS, ("stages", 3), *ROW_FACTORS)),
-        # as jla's fused_fwd: S^T carried, the state GEMM's left operand (the decayed v^T) in registers
-        # (built 2026-12-05, not yet run on a GPU)
+        # as jla's fused_fwd: S^T carried, the state GEMM's left operand (the decayed v^T) in registers: the same
+        # bits, 0.1739 against 0.1803 ms at 4,4096,16,128 (0.0648 against 0.0650 at 8,2048,16,64 for K = 64; bf16,
+        # H100, 2026-12-05, ten launches a sample, interleaved; both then with the state in local memory, see
+        # kernels.common.initial_state)
         Program(name="x_fused_t", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_SCAN, ("stages", 3), ("transposed", True))),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
@@ -394,7 +396,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
         # the products from T's and dT's hi halves alone (`lo=False`; fla's precision: its A in bf16), 12 GEMMs a
-        # program instead of 21 (built 2026-12-05, not yet run on a GPU)
+        # program instead of 21: slower, 0.3528 against 0.3496 ms at 4,4096,16,128 (K = 64: 0.1965 against 0.1872 at
+        # 8,2048,16,64; bf16, H100, 2026-12-05, ten launches a sample, interleaved), within 2.5e-3 of the dispatched
+        # program: not taken
         Program(name="x_wy_bwd_l2_hi", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("lo", False))),
         Program(name="x_wy_bwd_hi", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd",

@@ -27,6 +27,25 @@ def test_every_variant_is_registered():
     assert tilelang_backend.registered() == want
 
 
+def test_dispatched_programs_keep_their_registers():
+    """No dispatched program spills registers to local memory or has its tensor-core products
+    serialized by ptxas (what build.py records of each cubin): the state passes' warpgroups all
+    compile to the launch's register share, and a branch around the initial state's load once
+    put the state in local memory in every one of them (768 bytes a thread; simple GLA's forward
+    1.7x slower on an H100)."""
+    import json
+    import pathlib
+
+    gen = pathlib.Path(__file__).resolve().parents[1] / "build" / "gen"
+    # (but where a program holds itself to fewer registers on purpose, `min_blocks`: `inv_l2` at K = 64 spills 32
+    # bytes at eight programs an SM and measured faster so)
+    reports = {v.target(p): json.loads((gen / f"{v.target(p)}.json").read_text()).get("ptxas") for v in variants.VARIANTS
+               for p in v.programs if not p.of and not dict(p.config).get("min_blocks")}
+    assert all(reports.values()), [t for t, r in reports.items() if not r]  # (built before build.py recorded it)
+    bad = {t: r for t, r in reports.items() if r["spill_stores"] or r["spill_loads"] or r["serialized"]}
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("K", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_export_for_cuda_has_the_custom_calls(K, dtype):
