@@ -295,6 +295,9 @@ def main(argv=None):
                 for row in bench_jax_rounds([i for i in impls if i != "fla"], op, shape, args.rounds):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                if args.json:  # (as each op and shape is done: a run cut short keeps what it timed)
+                    with open(args.json, "w") as fh:
+                        json.dump(rows, fh, indent=1)
     for impl in impls if args.rounds == 1 else [i for i in impls if i == "fla"]:  # fla last: its autotuning is slow
         for op in ops:
             for shape in shapes:

@@ -1,26 +1,24 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). Twenty-fifth session (2026-12-05): on the H100 simple GLA's forward ran 1.7x
-# behind jla's (0.195 against 0.114 ms at 4,4096,16,128; level on the H200), though both are the same
-# warp-specialized design: NCUOP profiles both impls' forward kernels with clocks as run (SM frequency,
-# DRAM throughput, occupancy, stall samples of the longest kernel); `x_fused_t` (S^T carried, jla's state
-# GEMM with its left operand in registers) is timed against `fused` (PROGS) and as an op (ALTS).
+# session for what is owed). After the twenty-fifth session (2026-12-05): every warp-specialized state
+# pass had kept its state in local memory since ZERO_ROW_H0's branch (kernels.common.initial_state); with
+# that mended simple GLA's `fused` ran 0.1712 -> 0.1164 ms on an H100 and the ops at 4,4096,16,128 moved
+# ahead of jla's or level. Owed: the ops at every issue shape (GLA and the delta rule too, whose passes
+# had the same spill), on one card, in turn (`--rounds`), beside jla, with a TB that fits the compiles
+# (~40 s an op and shape for three implementations).
 # SEL picks the GPU tests; BENCH=1 times the ops beside jla with ALTS (`--alt` arguments) as extra
 # columns, in turn ROUNDS times (default 5; `bench.py --rounds`, the ratio to ours beside each); NEW=1
 # the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target name (OLD=dir
-# copies in a previous build's cubins as old_*), NCU profiles them, PROFILE lists an op's kernels and
-# XLA's glue.
+# copies in a previous build's cubins as old_*), NCU profiles them, NCUOP ("op:BxTxHxD ...") each
+# implementation's forward kernels with clocks as run, PROFILE lists an op's kernels and XLA's glue.
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
 #   run(command="OUT=$OUT bash benchmarks/pending_call.sh", carry=[".whl", "fla_jax/_ext.abi3.so", ".prof"])
 #
-# The call of the twenty-fifth session (after `PROGS=... PROGS2=... bash benchmarks/pending_call.sh prep`):
-#   OUT=$OUT TT=150 SEL="(matches_float64 and simple_gla) or without_initial_state or x_fused_t" \
-#     PROGS="fla_simple_gla_fwd_bf16_k128_v128_c64_fused fla_simple_gla_fwd_bf16_k128_v128_c64_x_fused_t" \
-#     PROGS2="fla_simple_gla_fwd_bf16_k64_v64_c64_fused fla_simple_gla_fwd_bf16_k64_v64_c64_x_fused_t" SHAPES2=8x2048x16x64 \
-#     NCUOP=simple_gla:4x4096x16x128 BENCH=1 OPS=simple_gla ALTS=t=simple_gla.fwd.fused=x_fused_t TB=150 \
-#     bash benchmarks/pending_call.sh
+# The owed call (no PROGS: carry .whl and the extension only):
+#   OUT=$OUT TT=150 SEL="matches_float64 and (gla or delta)" BENCH=1 OPS=simple_gla,gla,gdn,delta ALTS="" ROUNDS=3 \
+#     TB=420 bash benchmarks/pending_call.sh
 #
 # On the GPU: the ops' GPU tests against float64 (NaN-poisoned), then the programs named timed beside
 # the ones they would replace (benchmarks/ncu_program.py, ten launches a sample, in turn), then the ops.
@@ -107,6 +105,7 @@ if [ -n "${BENCH:-}" ]; then
   timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} \
     --impls "fla_jax:tilelang$alt_impls,jla:mosaic_gpu" "${alt_args[@]}" --rounds ${ROUNDS:-5} --json "$O/bench.json" 2>&1 | grep -E "^\|" > "$O/bench.txt"
   cat "$O/bench.txt"
+  [ -s "$O/bench.txt" ] || cat "$O/bench.json" 2>/dev/null  # (cut short: the rows it finished)
   if [ -n "${NEW:-}" ]; then  # the same ops with the gate-summing experiments in place
     X=delta.fwd.inv=x_inv_scan,delta.fwd.inv_l2=x_inv_l2_scan,delta.fwd.wy_t_l2=x_wy_t_l2_scan,delta.bwd.wy_bwd_l2=x_wy_bwd_l2_sum
     timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang \

@@ -111,6 +111,9 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # Since 2026-12-05 summing the gates per step itself (G_SCAN, by one warp of the loading warpgroup): 0.1721
         # against 0.1842 ms with G's rows by TMA at 4,4096,16,128 (bf16, H100, ten launches a sample, interleaved),
         # and XLA's cumulative sum and transpose go (the op's forward 0.202 -> 0.186 ms with ZERO_ROW_H0 too)
+        # With the state in registers again (kernels.common.initial_state: a branch around h0's load had put it in local
+        # memory, 768 bytes a thread, in every warp-specialized state pass): 0.1712 -> 0.1164 ms at 4,4096,16,128
+        # (0.0661 -> 0.0644 at 8,2048,16,64; bf16, H100, 2026-12-05, ten launches a sample, interleaved)
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_SCAN, ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=G_ROWS),
@@ -363,7 +366,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # as jla's fused_fwd: S^T carried, the state GEMM's left operand (the decayed v^T) in registers: the same
         # bits, 0.1739 against 0.1803 ms at 4,4096,16,128 (0.0648 against 0.0650 at 8,2048,16,64 for K = 64; bf16,
         # H100, 2026-12-05, ten launches a sample, interleaved; both then with the state in local memory, see
-        # kernels.common.initial_state)
+        # kernels.common.initial_state); with the state in registers 0.1156 against 0.1164: within the noise, not taken
         Program(name="x_fused_t", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_SCAN, ("stages", 3), ("transposed", True))),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),

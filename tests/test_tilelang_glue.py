@@ -363,10 +363,11 @@ def test_bench_kernels_feeds_every_dispatched_program(op, D, emulated):
     assert set(names) == want | sums
 
 
-def test_bench_rounds_interleaves_the_implementations():
+def test_bench_rounds_interleaves_the_implementations(tmp_path):
     """benchmarks/bench.py --rounds: every JAX implementation of an op and shape (an `--alt`
     configuration among them) gets a row with times and its paired ratio to the first one; an
-    unknown implementation a row with its error, not a crash."""
+    unknown implementation a row with its error, not a crash; the JSON holds the rows."""
+    import json
     import pathlib
     import sys
 
@@ -374,7 +375,8 @@ def test_bench_rounds_interleaves_the_implementations():
     import bench
 
     rows = bench.main(["--ops", "simple_gla", "--shapes", "1x128x2x64", "--impls", "fla_jax:xla,fla_jax:xla@z,nope:x",
-                       "--alt", "z=xla-zeros", "--rounds", "2"])
+                       "--alt", "z=xla-zeros", "--rounds", "2", "--json", str(tmp_path / "b.json")])
+    assert json.loads((tmp_path / "b.json").read_text()) == json.loads(json.dumps(rows))
     assert [r["impl"] for r in rows] == ["fla_jax:xla", "fla_jax:xla@z", "nope:x"]
     first, alt, bad = rows
     assert first["fwd_ratio"] == first["fwdbwd_ratio"] == 1.0 and first["rounds"] == alt["rounds"] == 2
