@@ -105,11 +105,20 @@ def _jax_fns(impl, op):
     raise ValueError(f"unknown JAX implementation {impl!r}")
 
 
-def bench_jax(impl, op, shape):
-    impl, _, alt = impl.partition("@")
+def _compiled_step(impl, op, shape):
+    """`jax_step` of `impl` (`fla_jax:tilelang@NAME`: configured as `--alt NAME=SPEC` says), its
+    forward and training step traced and compiled under that configuration (later calls reuse them)."""
+    base, _, alt = impl.partition("@")
     with _alternative(ALTERNATIVES.get(alt, "")):
-        fwd, fwdbwd, args = jax_step(impl, op, shape)
-        return _jax_time(fwd, args), _jax_time(fwdbwd, args)
+        fwd, fwdbwd, args = jax_step(base, op, shape)
+        _jax_samples(fwd, args, reps=1, inner=1)
+        _jax_samples(fwdbwd, args, reps=1, inner=1)
+    return fwd, fwdbwd, args
+
+
+def bench_jax(impl, op, shape):
+    fwd, fwdbwd, args = _compiled_step(impl, op, shape)
+    return _jax_time(fwd, args), _jax_time(fwdbwd, args)
 
 
 def bench_jax_rounds(impls, op, shape, rounds):
@@ -119,13 +128,8 @@ def bench_jax_rounds(impls, op, shape, rounds):
     the first implementation's."""
     steps, rows = {}, {}
     for impl in impls:
-        base, _, alt = impl.partition("@")
         try:
-            with _alternative(ALTERNATIVES.get(alt, "")):  # (traced and compiled here; later calls reuse that)
-                fwd, fwdbwd, args = jax_step(base, op, shape)
-                _jax_samples(fwd, args, reps=1, inner=1)
-                _jax_samples(fwdbwd, args, reps=1, inner=1)
-            steps[impl] = (fwd, fwdbwd, args)
+            steps[impl] = _compiled_step(impl, op, shape)
         except Exception as e:  # noqa: BLE001  (an unsupported combination is a row, not a crash)
             traceback.print_exc(limit=2)
             rows[impl] = {"impl": impl, "op": op, "shape": shape, "error": f"{type(e).__name__}: {str(e)[:160]}"}
@@ -150,6 +154,14 @@ def bench_jax_rounds(impls, op, shape, rounds):
 ALTERNATIVES: dict[str, str] = {}
 
 
+def _override(item: str, option: str):
+    """`(op, direction, program), experiment` of an `op.direction.program=experiment` entry of `option`."""
+    where, _, name = item.partition("=")
+    if len(where.split(".")) != 3 or not name:
+        raise ValueError(f"{option}: {item!r} is not op.direction.program=experiment")
+    return tuple(where.split(".")), name
+
+
 @contextlib.contextmanager
 def _alternative(spec: str):
     """The tilelang backend's switches and experiment overrides as `spec` sets them while the
@@ -163,10 +175,8 @@ def _alternative(spec: str):
             if item == "xla-zeros":
                 tb.ZERO_ROW_H0 = tb.ZERO_ROW_DHT = False
             else:
-                where, _, name = item.partition("=")
-                if len(where.split(".")) != 3 or not name:
-                    raise ValueError(f"--alt: {item!r} is neither xla-zeros nor op.direction.program=experiment")
-                tb.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
+                key, name = _override(item, "--alt (or xla-zeros)")
+                tb.EXPERIMENT_OVERRIDES[key] = name
         yield
     finally:
         tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT = saved[:2]
@@ -273,10 +283,11 @@ def main(argv=None):
     from fla_jax import tilelang_backend
 
     for item in filter(None, args.experiments.split(",")):
-        where, _, name = item.partition("=")
-        if len(where.split(".")) != 3 or not name:
-            ap.error(f"--experiments: {item!r} is not op.direction.program=experiment")
-        tilelang_backend.EXPERIMENT_OVERRIDES[tuple(where.split("."))] = name
+        try:
+            key, name = _override(item, "--experiments")
+        except ValueError as e:
+            ap.error(str(e))
+        tilelang_backend.EXPERIMENT_OVERRIDES[key] = name
     if args.xla_zeros:
         tilelang_backend.ZERO_ROW_H0 = tilelang_backend.ZERO_ROW_DHT = False
     if args.delta_xla_vjps:
