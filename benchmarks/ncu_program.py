@@ -200,22 +200,36 @@ DETAILS = ("Duration", "SM Frequency", "DRAM Frequency", "Memory Throughput", "D
            "Warp Cycles Per Issued Instruction", "L2 Hit Rate", "Executed Ipc Active")
 
 
-def details(path: str, least_us: float = 5.0):
-    """The main figures of each kernel on an ncu details page (CSV) that ran at least `least_us`:
-    its name, grid and block, then DETAILS where present (unit as ncu gives it)."""
+def _kernels(path: str) -> dict:
+    """The kernels of an ncu details page (CSV): `(ID, name, grid, block) -> {metric: (value, unit)}`
+    for DETAILS, and its duration in us under `"us"`."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     kernels = collections.defaultdict(dict)
     for r in rows:
         if r.get("Metric Name") in DETAILS:
-            kernels[(r["ID"], r["Kernel Name"][:70], r["Grid Size"], r["Block Size"])][r["Metric Name"]] = (r["Metric Value"], r["Metric Unit"])
-    for (i, name, grid, block), m in kernels.items():
+            kernels[(r["ID"], r["Kernel Name"], r["Grid Size"], r["Block Size"])][r["Metric Name"]] = (r["Metric Value"], r["Metric Unit"])
+    for m in kernels.values():
         v, unit = m.get("Duration", ("0", "us"))
-        us = float(v.replace(",", "")) * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "msecond": 1e3, "usecond": 1.0, "nsecond": 1e-3}.get(unit, 1.0)
-        if us < least_us:
+        m["us"] = float(v.replace(",", "")) * {"ns": 1e-3, "ms": 1e3, "msecond": 1e3, "nsecond": 1e-3}.get(unit, 1.0)
+    return kernels
+
+
+def details(path: str, least_us: float = 5.0):
+    """The main figures of each kernel on an ncu details page (CSV) that ran at least `least_us`:
+    its name, grid and block, then DETAILS where present (unit as ncu gives it)."""
+    for (i, name, grid, block), m in _kernels(path).items():
+        if m.pop("us") < least_us:
             continue
-        print(f"[{i}] {name} grid {grid} block {block}")
+        print(f"[{i}] {name[:70]} grid {grid} block {block}")
         print("    " + "; ".join(f"{k} {v} {u}" for k, (v, u) in m.items()))
+
+
+def longest(path: str):
+    """The name (no parameter list) of the kernel that ran longest on an ncu details page (CSV), for `ncu -k`."""
+    kernels = _kernels(path)
+    if kernels:
+        print(max(kernels, key=lambda k: kernels[k]["us"])[1].split("(")[0].split()[-1])
 
 
 def main():
@@ -223,6 +237,7 @@ def main():
     ap.add_argument("targets", nargs="*")
     ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu SASS source page instead")
     ap.add_argument("--details", metavar="CSV", help="summarise an ncu details page (every kernel of 5 us or more) instead")
+    ap.add_argument("--longest", metavar="CSV", help="the name of the longest kernel on an ncu details page instead")
     ap.add_argument("--gen", default="build/gen")
     ap.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD")
     ap.add_argument("--reps", type=int, default=30)
@@ -233,6 +248,8 @@ def main():
         return stalls(args.stalls)
     if args.details:
         return details(args.details)
+    if args.longest:
+        return longest(args.longest)
     if not args.targets:
         ap.error("name at least one target (or --stalls CSV)")
     B, T, H, _ = (int(x) for x in args.shape.split("x"))

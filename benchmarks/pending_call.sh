@@ -82,12 +82,7 @@ if [ -n "${NCUOP:-}" ]; then  # each impl's forward kernels under Nsight Compute
         --section WarpStateStats --section MemoryWorkloadAnalysis -c 40 -f -o /tmp/ncuop/$tag "${run_op[@]}" > /tmp/ncuop/$tag.log 2>&1
       ncu -i /tmp/ncuop/$tag.ncu-rep --page details --csv > /tmp/ncuop/$tag.details.csv 2>/dev/null
       python3 benchmarks/ncu_program.py --details /tmp/ncuop/$tag.details.csv | tee "$O/details_$tag.txt" | tail -8
-      k=$(python3 -c "
-import csv, sys
-d = {}
-for r in csv.DictReader(open(sys.argv[1])):
-    if r['Metric Name'] == 'Duration': d[r['Kernel Name']] = max(d.get(r['Kernel Name'], 0), float(r['Metric Value'].replace(',', '')))
-print(max(d, key=d.get).split('(')[0].split()[-1] if d else '')" /tmp/ncuop/$tag.details.csv)
+      k=$(python3 benchmarks/ncu_program.py --longest /tmp/ncuop/$tag.details.csv)
       [ -z "$k" ] && continue
       timeout 120 ncu --clock-control none --set full -k "regex:$k" -c 1 -f -o /tmp/ncuop/${tag}_full "${run_op[@]}" > /dev/null 2>&1
       ncu -i /tmp/ncuop/${tag}_full.ncu-rep --page source --csv --print-source sass > /tmp/ncuop/${tag}_full.csv 2>/dev/null
