@@ -247,12 +247,18 @@ def initial_state(h0, b_h, n, head, iv, transposed=False, k0=0):
 
 
 @T.macro
-def final_state(b_h, ht, n, head, iv, k0=0):
-    """`ht[n, head]`'s V block `iv` (from key channel `k0`) <- `b_h` `[K, BV]`, where `ht` has rows:
-    the reverse passes' `dh0`, which has none where the call has no initial state to take it
-    (TileLang's guard on the store, `n < N`, skips it then; no branch, as for `initial_state`)."""
-    K, BV = (int(d) for d in b_h.shape)
-    T.copy(b_h, ht[n, head, k0 : k0 + K, iv * BV : (iv + 1) * BV])
+def final_state(b_h, ht, n, head, iv, transposed=False, k0=0):
+    """`ht[n, head]`'s V block `iv` (from key channel `k0`) <- `b_h` `[K, BV]` (`[BV, K]` with
+    `transposed`, as `initial_state` takes it), where `ht` has rows: the reverse passes' `dh0`, which
+    has none where the call has no initial state to take it (TileLang's guard on the store, `n < N`,
+    skips it then; no branch, as for `initial_state`)."""
+    if transposed:
+        BV, K = (int(d) for d in b_h.shape)
+        for r, c in T.Parallel(BV, K):
+            ht[n, head, c, iv * BV + r] = b_h[r, c]
+    else:
+        K, BV = (int(d) for d in b_h.shape)
+        T.copy(b_h, ht[n, head, k0 : k0 + K, iv * BV : (iv + 1) * BV])
 
 
 @T.macro

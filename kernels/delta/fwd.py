@@ -21,6 +21,7 @@ import tilelang.language as T
 from kernels.common import (
     chunk_output_and_update,
     delta_loads,
+    final_state,
     initial_state,
     output_chunk,
     output_from_p,
@@ -470,11 +471,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                             b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                         T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
                     T.barrier_arrive(free[slot])
-                if transposed:
-                    for r, c in T.Parallel(BV, K):
-                        ht[n, ihv, c, iv * BV + r] = b_h[r, c]
-                else:
-                    T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
+                final_state(b_h, ht, n, ihv, iv, transposed)
             with T.ws(1):
                 T.set_max_nreg(136, 1)
                 for i in T.serial(nc):
@@ -585,8 +582,7 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                         b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                     T.gemm(x_t, k_s[slot, :, :], b_h)  # S^T <- exp(G_C) S^T + (v_new^T Diag(exp(G_C - G))) k
                     T.barrier_arrive(free[slot])
-                for r, c in T.Parallel(BV, K):
-                    ht[n, ihv, c, iv * BV + r] = b_h[r, c]
+                final_state(b_h, ht, n, ihv, iv, transposed=True)
             with T.ws(1):
                 T.set_max_nreg(232, 1)
                 for i in T.serial(nc):

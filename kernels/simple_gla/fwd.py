@@ -23,6 +23,7 @@ import tilelang.language as T
 
 from kernels.common import (
     chunk_output_and_update,
+    final_state,
     gate_load,
     gate_scan_load,
     initial_state,
@@ -307,11 +308,7 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                         _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot, *rf)
                 if store_h:
                     T.tma_store_wait()
-                if transposed:
-                    for r, c in T.Parallel(BV, K):
-                        ht[n, ih, c, iv * BV + r] = b_h[r, c]
-                else:
-                    T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
+                final_state(b_h, ht, n, ih, iv, transposed)
             outs = ((h_s0, p_s0, acc_s0, acc_o0, o_s0, s_ready0, s_free0), (h_s1, p_s1, acc_s1, acc_o1, o_s1, s_ready1, s_free1))
             for w, (h_s, p_s, acc_s, acc_o, o_s, s_ready, s_free) in enumerate(outs):  # chunks 2 j + w, buffer w
                 with T.ws(1 + w):
