@@ -10,7 +10,7 @@
 # columns, in turn ROUNDS times (default 5; `bench.py --rounds`, the ratio to ours beside each); NEW=1
 # the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target name (OLD=dir
 # copies in a previous build's cubins as old_*), NCU profiles them, NCUOP ("op:BxTxHxD ...") each
-# implementation's forward kernels with clocks as run, PROFILE lists an op's kernels and XLA's glue.
+# implementation's forward kernels with clocks as run, PROFILE lists an op's kernels and XLA's glue (PIMPLS: of which implementations).
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -65,9 +65,14 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute of the named programs at 4,4096,16,
   tar czf "$O/ncu.tgz" -C /tmp ncu
   echo "t=${SECONDS}"
 fi
-if [ -n "${PROFILE:-}" ]; then  # the forward's kernels by name, ours and XLA's glue (PROFILE="op:BxTxHxD ...")
+if [ -n "${PROFILE:-}" ]; then  # kernels by name, the programs and XLA's glue (PROFILE="op:BxTxHxD[:fwd] ...",
+  # ":fwd" the forward alone, else the training step; of each implementation in PIMPLS)
   for p in $PROFILE; do
-    timeout 60 python3 benchmarks/profile_op.py --fwd --op ${p%%:*} --shape ${p#*:} 2>&1 | grep -v "lines:" | tail -12 | tee -a "$O/profile.txt"
+    IFS=: read -r pop pshape pfwd <<< "$p"
+    for impl in ${PIMPLS:-fla_jax:tilelang}; do
+      timeout 90 python3 benchmarks/profile_op.py ${pfwd:+--fwd} --op $pop --shape $pshape --impl $impl 2>&1 | grep -v "lines:" \
+        | awk '/by kernel:/{k=1} k' | head -24 | tee -a "$O/profile.txt"
+    done
   done
   echo "t=${SECONDS}"
 fi
@@ -94,7 +99,7 @@ if [ -n "${NCUOP:-}" ]; then  # each impl's forward kernels under Nsight Compute
   echo "t=${SECONDS}"
 fi
 if [ -n "${BENCH:-}" ]; then
-  ALTS=${ALTS-"old=xla-zeros,simple_gla.fwd.fused=x_fused_rows inv=delta.fwd.inv=x_inv_scan,delta.fwd.inv_l2=x_inv_l2_scan"}
+  ALTS=${ALTS-"old=xla-zeros,simple_gla.fwd.fused=x_fused_scan inv=delta.fwd.inv=x_inv_scan,delta.fwd.inv_l2=x_inv_l2_scan"}
   alt_args=(); alt_impls=""
   for a in $ALTS; do alt_args+=(--alt "$a"); alt_impls="$alt_impls,fla_jax:tilelang@${a%%=*}"; done
   timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} \

@@ -114,8 +114,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # With the state in registers again (kernels.common.initial_state: a branch around h0's load had put it in local
         # memory, 768 bytes a thread, in every warp-specialized state pass): 0.1712 -> 0.1164 ms at 4,4096,16,128
         # (0.0661 -> 0.0644 at 8,2048,16,64; bf16, H100, 2026-12-05, ten launches a sample, interleaved)
+        # Since the twenty-sixth session G's rows by TMA again: with the chain no longer the bound, the gate scan was (the
+        # loading warpgroup's TMA-issuing warp waits out the gates' load and the scan before the next chunk's loads, and
+        # every consumer waited on `full`: 70 % of DRAM's bandwidth by Nsight Compute); rows 0.1040 / 0.1682 / 0.0574 ms
+        # against the scan's 0.1200 / 0.1868 / 0.0622 at 4,4096,16,128 / 2,8192,16,128 / 8,2048,16,64, the op's forward
+        # with XLA's cumulative sum and transpose 0.117 / 0.187 / 0.078 against 0.127 / 0.199 / 0.083 (bf16, H100)
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_SCAN, ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
+                config=(*G_ROWS, ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=G_ROWS),
         # (with ROW_FACTORS 0.134 against 0.125 ms at 4,4096,16,128 bf16, H200, 2026-12-04: not taken here)
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
@@ -360,15 +365,19 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # 2,8192,16,128 where 64 programs leave half the GPU idle; the output's two GEMMs in flight together with
     # P in registers, 0.135 against 0.139.)
     ("simple_gla", "fwd", "bf16", 128): (
-        # G's per-chunk rows by TMA (dispatched before G_SCAN)
-        Program(name="x_fused_rows", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_ROWS, ("stages", 3), *ROW_FACTORS)),
-        # as jla's fused_fwd: S^T carried, the state GEMM's left operand (the decayed v^T) in registers: the same
-        # bits, 0.1739 against 0.1803 ms at 4,4096,16,128 (0.0648 against 0.0650 at 8,2048,16,64 for K = 64; bf16,
-        # H100, 2026-12-05, ten launches a sample, interleaved; both then with the state in local memory, see
-        # kernels.common.initial_state); with the state in registers 0.1156 against 0.1164: within the noise, not taken
-        Program(name="x_fused_t", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_SCAN, ("stages", 3), ("transposed", True))),
+        # the gates per step summed by one warp of the loading warpgroup (G_SCAN; dispatched from the twenty-fourth to the
+        # twenty-fifth session: no cumulative sum or transpose left to XLA, but see `fused`)
+        Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_SCAN, ("stages", 3), *ROW_FACTORS)),
+        # as jla's fused_fwd, S^T carried (the state GEMM's left operand, the decayed v^T, in registers), with P kept in
+        # registers by the output warpgroups (`p_regs`) and the fourth stage the freed shared memory makes room for
+        # (214 KB). With the gate scan (H100, 2026-12-05, ten launches a sample, interleaved; same bits as `fused`):
+        # 0.1135 / 0.1173 against 0.1161 / 0.1200 ms at 4,4096,16,128 (two calls), 0.1833 against 0.1868 at
+        # 2,8192,16,128, 0.0626 against 0.0622 at 8,2048,16,64. S^T alone (x_fused_t, 0.1156 against 0.1164), P in
+        # registers alone (0.1151), with four stages (0.1144), the scan's gates fetched a chunk ahead (0.1209 against
+        # 0.1200): within ~2 %, dropped. Now with G's rows, as `fused` takes them: not yet run on a GPU
+        Program(name="x_fused_tp4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_ROWS, ("stages", 4), ("transposed", True), ("p_regs", True))),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
@@ -382,10 +391,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # at K = 64 too (0.099 against 0.063 ms for the warp-specialized pass at 8,2048,16,64); two output
     # warpgroups under a gradient (slower here)
     ("simple_gla", "fwd", "bf16", 64): (
-        Program(name="x_fused_rows", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_ROWS, ("stages", 3), *ROW_FACTORS)),
-        Program(name="x_fused_t", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_SCAN, ("stages", 3), ("transposed", True))),
+        Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_SCAN, ("stages", 3), *ROW_FACTORS)),
+        Program(name="x_fused_tp4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
+                config=(*G_ROWS, ("stages", 4), ("transposed", True), ("p_regs", True))),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
         Program(name="x_fused_h_2out", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),

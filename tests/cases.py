@@ -18,10 +18,10 @@ OPS = {
 }
 
 
-# the tilelang programs that sum the gates per step themselves (kernels/variants.py G_SCAN: the forwards' and
-# the delta rules' training WY kernel), and the WY VJP that sums their gradient back to the steps (DG_SUM), as
+# the tilelang programs that sum the gates per step themselves (kernels/variants.py G_SCAN: simple GLA's state pass, the
+# delta rules' inverse and training WY kernel), and the WY VJP that sums their gradient back to the steps (DG_SUM), as
 # `tilelang_backend.EXPERIMENT_OVERRIDES` entries that put them in the dispatched programs' place
-GATE_SCAN_EXPERIMENTS = {("delta", "fwd", "inv"): "x_inv_scan",
+GATE_SCAN_EXPERIMENTS = {("simple_gla", "fwd", "fused"): "x_fused_scan", ("delta", "fwd", "inv"): "x_inv_scan",
                          ("delta", "fwd", "inv_l2"): "x_inv_l2_scan", ("delta", "fwd", "wy_t_l2"): "x_wy_t_l2_scan",
                          ("delta", "bwd", "wy_bwd_l2"): "x_wy_bwd_l2_sum"}
 

@@ -108,7 +108,8 @@ GPU_CASES = [
     Case("simple_gla", 2, 200, 2, 64, 64, dtype="float16", gate="none"),
     Case("simple_gla", 1, 1000, 4, 128, 128, dtype="bfloat16", cu=(0, 0, 300, 301, 640, 1000), h0=True),
     Case("simple_gla", 1, 700, 2, 256, 256, dtype="float16", cu=(0, 64, 64, 700), norm=0.1),
-    # fp16 with real gates where `fused` sums them itself (G_SCAN, K <= 128)
+    # fp16 with real gates at K = 64 and 128 (`fused` with G's rows; its gate-scan config, x_fused_scan, against it in
+    # test_experimental_programs_match_the_dispatched_ones)
     Case("simple_gla", 2, 500, 3, 128, 128, dtype="float16", h0=True, norm=0.1),
     Case("simple_gla", 1, 700, 2, 64, 64, dtype="float16", cu=(0, 100, 700)),
     # GLA: gates per key channel, strong (0.1), plain and weak (10) decay

@@ -132,8 +132,7 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
     assert reverse and set(reverse) == {(N if "ht" in terms or not zero_rows else 0, 0 if zero_rows else N)}, reverse
     # (under a gradient, with use_qk_l2norm_in_kernel, the delta rules' training WY kernel and WY VJP too)
     # (at K = 256 the forward with no gradient has no inverse experiment: wy and fused)
-    # (simple GLA's dispatched forward sums the gates itself)
-    scans = {"simple_gla": set(), "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"}) if case.K <= 128 else set()
+    scans = {"simple_gla": {"x_fused_scan"}, "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"}) if case.K <= 128 else set()
     scans |= {"x_wy_t_l2_scan", "x_wy_bwd_l2_sum"} if case.l2norm else set()
     assert scans <= set(names), names
     tol = 1e-2 if case.op in ("delta_rule", "gated_delta_rule") else 5e-3

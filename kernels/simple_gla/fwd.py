@@ -228,7 +228,8 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
 
 
 def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
-                   g_rows: bool = False, row_factors: bool = False, g_scan: bool = False, transposed: bool = False):
+                   g_rows: bool = False, row_factors: bool = False, g_scan: bool = False, transposed: bool = False,
+                   p_regs: bool = False):
     """`chunk_fwd` with two output warpgroups taking alternate chunks (512 threads): warpgroup 3
     streams the loads into `stages` stages, warpgroup 0 runs the state chain and publishes chunk i's
     state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage `i % stages`
@@ -242,7 +243,9 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
     `transposed` (no `store_h`): warpgroup 0 carries `S^T [BV, K]` as jla's `fused_fwd` does, so that
     its GEMM takes the decayed `v^T` from registers, `S^T <- exp(G_C) S^T + (v^T Diag(exp(G_C - G))) k`
     (no tile written to shared memory and waited for on the chain; `exp(G_C - G)` once per column
-    of its fragment), and publishes S^T, which the output warpgroups' `q S` reads transposed."""
+    of its fragment), and publishes S^T, which the output warpgroups' `q S` reads transposed.
+    `p_regs`: the output warpgroups keep P in registers (`P V` with its left operand there), no
+    `[BT, BT]` tile of shared memory each: room for a fourth stage at K = 128."""
     if transposed and store_h:
         raise ValueError("chunk_fwd_2out(transposed=True) is written without store_h")
     L, H, N, NT = T.dynamic("L, H, N, NT")
@@ -265,8 +268,8 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                 fd = T.alloc_fragment((BT,), acc)
             else:
                 vd_s = T.alloc_shared((BT, BV), dtype)
-            p_s0 = T.alloc_shared((BT, BT), dtype)
-            p_s1 = T.alloc_shared((BT, BT), dtype)
+            p_s0 = (T.alloc_fragment if p_regs else T.alloc_shared)((BT, BT), dtype)
+            p_s1 = (T.alloc_fragment if p_regs else T.alloc_shared)((BT, BT), dtype)
             o_s0 = T.alloc_shared((BT, BV), dtype)
             o_s1 = T.alloc_shared((BT, BV), dtype)
             b_h = T.alloc_fragment(st, acc)
