@@ -528,7 +528,8 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         qd = qf
         if p.op == "gla":
             wy, Gf, qd = wy[:1], wy[1].reshape(Gf.shape), wy[2].reshape(qf.shape)
-        dh, dh0 = _call(bwd["dh"], (_like(hf), dh0_like), qd, dof, Gf, dht, cstart, ccount, scale=s)
+        gates = Gf if p.op == "gla" else _gates_for(p, "bwd", K, "dh", Gf, C)  # (simple GLA's as its reverse pass takes them)
+        dh, dh0 = _call(bwd["dh"], (_like(hf), dh0_like), qd, dof, gates, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
         grads = _consumer(p, bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
         if p.op != "gla":  # G's gradient -> the gates' per step

@@ -449,6 +449,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the warp-specialized consumer at K = 64 (dispatched before FLAT_64)
     ("simple_gla", "bwd", "bf16", 64): (
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
+        Program(name="x_dh_rows", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=G_ROWS),
     ),
     ("delta", "bwd", "bf16", 256): (
         Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
@@ -473,6 +474,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
                 config=(("BK", 64),)),
+        # G's rows by TMA (XLA transposes G again), not each chunk's column by the loading warpgroup's threads, whose
+        # loads the next chunk's copies wait out (as the forward's gate scan did): not yet run on a GPU
+        Program(name="x_dh_rows", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=G_ROWS),
     ),
 }
 

@@ -109,7 +109,8 @@ def fwd_fused(q, k, v, G, h0, cstart, ccount, *, scale):
 
 
 def bwd_dh(q, do, G, dht, cstart, ccount, *, scale):
-    dh, dh0 = _scan_states(q, do, G, dht, cstart, ccount, reverse=True, scale=scale)
+    """kernels/simple_gla/bwd.py `chunk_bwd_dh`; G `[L, H]`, or with `g_rows` per-chunk rows `[NT, H, C]`."""
+    dh, dh0 = _scan_states(q, do, _gate_columns(G), dht, cstart, ccount, reverse=True, scale=scale)
     return _unwritten(dh.astype(q.dtype), cstart, ccount, False), dh0
 
 

@@ -328,7 +328,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     takes_steps = lambda: tilelang_backend._config(prob, "fwd", D, name).get("g_scan")
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
-        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, G, dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
+        return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, gates_for("bwd"), dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
     if op == "gla":  # per-step gates -|N(0, 1)| with chunks 1-2 at -|N(0, 6)|: most chunks bounded, these not
         q, k = x(L, H, D), x(L, H, D)
         steps = -np.abs(rng.standard_normal((NT, 64, H, D))) * np.where(np.isin(np.arange(NT), (1, 2)), 6.0, 1.0)[:, None, None, None]

@@ -52,6 +52,35 @@ def test_glue_matches_float64(case, emulated):
     assert all(e <= tol for e in errs.values()), errs
 
 
+ROWS_CASES = [
+    Case("simple_gla", 1, 300, 2, 128, 128, dtype="bfloat16", cu=(0, 37, 37, 300), h0=True),
+    Case("simple_gla", 2, 130, 2, 64, 64, dtype="bfloat16", norm=0.1),
+]
+
+
+@pytest.mark.parametrize("case", ROWS_CASES, ids=str)
+def test_simple_gla_row_experiments_match_float64(case, emulated, monkeypatch):
+    """Simple GLA's experiments that load G's per-chunk rows by TMA put in place (`EXPERIMENT_OVERRIDES`):
+    the reverse pass `x_dh_rows` and the forward `x_fused_tp4`. The backend hands each G as rows
+    `[NT, H, 64]`, and o, ht and every gradient match float64, emulated."""
+    gates = {}
+
+    def record(target, results, *args, **attrs):
+        name = target.rsplit("_c64_", 1)[1]
+        if name in ("x_dh_rows", "x_fused_tp4", "fused"):
+            gates[name] = args[2 if name == "x_dh_rows" else 3].shape
+        return kernel_emulator.call(target, results, *args, **attrs)
+
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "bwd", "dh"), "x_dh_rows")
+    monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "fwd", "fused"), "x_fused_tp4")
+    errs = errors_against_float64(case, 43)
+    NT = case.B * -(-case.T // 64) if case.cu is None else None
+    assert set(gates) == {"x_dh_rows", "x_fused_tp4"}, gates
+    assert all(len(s) == 3 and s[1:] == (case.H, 64) and (NT is None or s[0] == NT) for s in gates.values()), gates
+    assert all(e <= 5e-3 for e in errs.values()), errs
+
+
 SPLIT_CASES = [
     Case("simple_gla", 2, 64 * 8 - 13, 2, 64, 64, dtype="bfloat16", h0=True),
     Case("simple_gla", 1, 64 * 8, 3, 128, 128, dtype="float16", gate="g_gamma"),

@@ -22,7 +22,13 @@ chunk `h [NT, H, K, V]` (stored by the forward, `chunk_fwd(store_h=True)`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once, final_state, initial_state, stage_loads
+from kernels.common import (
+    arrive_once,
+    final_state,
+    gate_load,
+    initial_state,
+    stage_loads,
+)
 
 
 def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: int | None = None,
@@ -74,7 +80,8 @@ def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, 
     return main
 
 
-def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, channel_gates: bool = False):
+def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, channel_gates: bool = False,
+                 g_rows: bool = False):
     """The reverse state-gradient pass, warp-specialized: per (V block, sequence * head) program a
     producer warpgroup streams q, do (TMA) and the gates into `stages` buffers, and warpgroup 0
     keeps `dS` in registers: it stores `dS` (input dtype, by a TMA store that runs while it
@@ -84,7 +91,12 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
     GEMM takes `q` and `do` as stored. (A third warpgroup forming `dod` a chunk ahead made
     TileLang sync the whole block between the warpgroups: a deadlock.)
     `dht` and `dh0` have rows of their own (`ND`, `N0`): none where the loss takes no final state
-    (the pass starts from zeros) or the call has no initial state (dh0 is not written)."""
+    (the pass starts from zeros) or the call has no initial state (dh0 is not written).
+    `g_rows` (scalar gates): G arrives as per-chunk rows `[NT, H, BT]`, loaded by TMA with the
+    stage, not by the loading warpgroup's threads (whose loads the next chunk's copies wait out:
+    see simple GLA's forward, `kernels/README.md`)."""
+    if g_rows and channel_gates:
+        raise ValueError("chunk_bwd_dh: g_rows is for scalar gates")
     L, H, N, NT, ND, N0 = T.dynamic("L, H, N, NT, ND, N0")
     acc = "float32"
 
@@ -105,7 +117,8 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
             nc = ccount[n]
             with T.ws(1):  # chunks in reverse: q, the V block of do, and G (its last row per channel)
                 rows = lambda c: slice(c * BT, c * BT + BT)
-                gates = (lambda c: g[c * BT + BT - 1, ih, 0:K], g_s, True) if channel_gates else (lambda c: g[rows(c), ih], g_s, False)
+                gates = (lambda c: g[c * BT + BT - 1, ih, 0:K], g_s, True) if channel_gates else \
+                    gate_load(g, g_s, ih, g_rows)
                 loads = ((lambda c: q[rows(c), ih, 0:K], q_s, True), (lambda c: do[rows(c), ih, iv * BV : (iv + 1) * BV], do_s, True), gates)
                 stage_loads(loads, full, free, nc, stages, c1, -1)
             with T.ws(0):
@@ -149,7 +162,7 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
     def main(
         q: T.Tensor((L, H, K), dtype),
         do: T.Tensor((L, H, V), dtype),
-        g: T.Tensor((L, H, K) if channel_gates else (L, H), acc),
+        g: T.Tensor((L, H, K) if channel_gates else (NT, H, BT) if g_rows else (L, H), acc),
         dht: T.Tensor((ND, H, K, V), acc),
         cstart: T.Tensor((N,), "int32"),
         ccount: T.Tensor((N,), "int32"),
