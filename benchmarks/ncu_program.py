@@ -27,6 +27,7 @@ import argparse
 import collections
 import csv
 import ctypes
+import itertools
 import json
 import pathlib
 import statistics
@@ -175,8 +176,9 @@ def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: i
 
 
 def stalls(path: str, top: int = 25):
-    """Stall samples of an ncu SASS source page (CSV): totals per reason, then the instructions
-    with the most samples and their three main reasons."""
+    """Stall samples of an ncu SASS source page (CSV): totals per reason, per warpgroup's part of a
+    warp-specialized program, then the instructions with the most samples and their three main
+    reasons."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     head = next(i for i, r in enumerate(rows) if "Source" in r)
@@ -189,10 +191,22 @@ def stalls(path: str, top: int = 25):
     print(f"{everything} stall samples")
     for h, c in total.most_common(10):
         print(f"  {h[6:]:20s} {c:8d} {100 * c / everything:5.1f}%")
-    ranked = sorted(data, key=lambda r: -n(r, "Warp Stall Sampling (All Samples)"))
+    samples = "Warp Stall Sampling (All Samples)"
+    # a warp-specialized program's warpgroups each start with a register reallocation (`setmaxnreg`): the samples
+    # of the code between two are one warpgroup's (the last part also holds the out-of-line barrier-wait loops)
+    cuts = [i for i, r in enumerate(data) if "USETMAXREG" in r[ix["Source"]]]
+    if cuts:
+        print("by part, split at the register reallocations (a warpgroup's code each):")
+        bounds = [0, *cuts, len(data)]
+        for a, b in itertools.pairwise(bounds):
+            part = data[a:b] or [data[a - 1]]
+            c = sum(n(r, samples) for r in data[a:b])
+            most = max(part, key=lambda r: n(r, samples))
+            print(f"  SASS lines {a:5d}-{b - 1:5d} {c:8d} {100 * c / everything:5.1f}%  most at {most[ix['Source']].strip()[:50]}")
+    ranked = sorted(data, key=lambda r: -n(r, samples))
     for r in ranked[:top]:
         main = sorted(((n(r, h), h[6:]) for h in reasons), reverse=True)[:3]
-        print(f"{n(r, 'Warp Stall Sampling (All Samples)'):7d}  {r[ix['Source']].strip()[:60]:60s} {main}")
+        print(f"{n(r, samples):7d}  {r[ix['Source']].strip()[:60]:60s} {main}")
 
 
 DETAILS = ("Duration", "SM Frequency", "DRAM Frequency", "Memory Throughput", "DRAM Throughput", "L2 Cache Throughput",

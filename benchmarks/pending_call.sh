@@ -65,7 +65,7 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute of the named programs at 4,4096,16,
       python3 benchmarks/ncu_program.py --gen .prof/gen --reps 1 --shape 4x4096x16x128 $t > /tmp/ncu/$t.log 2>&1
     ncu -i /tmp/ncu/$t.ncu-rep --page source --csv --print-source sass > /tmp/ncu/$t.csv 2>/dev/null
     ncu -i /tmp/ncu/$t.ncu-rep --page details --csv > /tmp/ncu/$t.details.csv 2>/dev/null
-    python3 benchmarks/ncu_program.py --stalls /tmp/ncu/$t.csv > "$O/stalls_$t.txt" 2>&1; head -12 "$O/stalls_$t.txt"
+    python3 benchmarks/ncu_program.py --stalls /tmp/ncu/$t.csv > "$O/stalls_$t.txt" 2>&1; head -18 "$O/stalls_$t.txt"
   done
   tar czf "$O/ncu.tgz" -C /tmp ncu
   echo "t=${SECONDS}"
@@ -97,7 +97,7 @@ if [ -n "${NCUOP:-}" ]; then  # each impl's forward kernels under Nsight Compute
       timeout 120 ncu --clock-control none --set full -k "regex:$k" -c 1 -f -o /tmp/ncuop/${tag}_full "${run_op[@]}" > /dev/null 2>&1
       ncu -i /tmp/ncuop/${tag}_full.ncu-rep --page source --csv --print-source sass > /tmp/ncuop/${tag}_full.csv 2>/dev/null
       echo "== $tag: $k" | tee "$O/stalls_$tag.txt"
-      python3 benchmarks/ncu_program.py --stalls /tmp/ncuop/${tag}_full.csv >> "$O/stalls_$tag.txt" 2>&1; sed -n 2,12p "$O/stalls_$tag.txt"
+      python3 benchmarks/ncu_program.py --stalls /tmp/ncuop/${tag}_full.csv >> "$O/stalls_$tag.txt" 2>&1; sed -n 2,18p "$O/stalls_$tag.txt"
     done
   done
   tar czf "$O/ncuop.tgz" -C /tmp ncuop

@@ -583,6 +583,32 @@ def test_cubin_launcher_reads_every_program():
                 assert all(isinstance(a, (ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, tuple)) for a in params), v.target(p)
 
 
+def test_stall_summary_splits_the_warpgroups(tmp_path, capsys):
+    """`ncu_program.py --stalls` sums a SASS page's stall samples per reason and per warpgroup's part
+    (the code between register reallocations), and ranks the instructions."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("ncu_program", root / "benchmarks" / "ncu_program.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb", "stall_barrier"]
+    sass = [("LDC R1", 1, 1, 0), ("USETMAXREG.DEALLOC.CTAPOOL 0x28", 0, 0, 0), ("UTMALDG.3D", 2, 2, 0), ("BSSY B0", 30, 0, 30),
+            ("USETMAXREG.TRY_ALLOC.CTAPOOL UP1, 0xc8", 0, 0, 0), ("@!P0 BRA 0x10", 50, 50, 0), ("HGMMA.64x64x16", 7, 0, 7)]
+    rows = [["Kernel Name", "main_kernel"], head] + [[hex(i), src, *map(str, c)] for i, (src, *c) in enumerate(sass)]
+    path = tmp_path / "page.csv"
+    path.write_text("\n".join(",".join(f'"{x}"' for x in r) for r in rows))
+    tool.stalls(str(path), top=2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "90 stall samples"
+    assert [ln.split()[0] for ln in out[1:3]] == ["long_sb", "barrier"]
+    parts = [ln for ln in out if ln.startswith("  SASS lines")]
+    assert [int(ln.split()[4]) for ln in parts] == [1, 32, 57], parts  # before, the loader's part, the next warpgroup's
+    assert "BSSY" in parts[1] and "BRA" in parts[2]
+    assert out[-2].split()[0] == "50" and out[-1].split()[0] == "30"
+
+
 def test_unsupported_calls_say_why(monkeypatch):
     p = _problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype="bfloat16")
     call = dict(K=128, V=128, varlen=False, grouped=False, l2norm=False)
