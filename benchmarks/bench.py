@@ -300,15 +300,19 @@ def main(argv=None):
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     impls = args.impls.split(",")
     rows = []
+
+    def add(*new_rows):  # printed, and the JSON rewritten as each op and shape is done (a run cut short keeps them)
+        for row in new_rows:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+
     if args.rounds > 1:  # interleaved: the JAX implementations per op and shape, fla after them as before
         for op in ops:
             for shape in shapes:
-                for row in bench_jax_rounds([i for i in impls if i != "fla"], op, shape, args.rounds):
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                if args.json:  # (as each op and shape is done: a run cut short keeps what it timed)
-                    with open(args.json, "w") as fh:
-                        json.dump(rows, fh, indent=1)
+                add(*bench_jax_rounds([i for i in impls if i != "fla"], op, shape, args.rounds))
     for impl in impls if args.rounds == 1 else [i for i in impls if i == "fla"]:  # fla last: its autotuning is slow
         for op in ops:
             for shape in shapes:
@@ -318,11 +322,7 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001  (an unsupported combination is a row, not a crash)
                     traceback.print_exc(limit=2)
                     row = {"impl": impl, "op": op, "shape": shape, "error": f"{type(e).__name__}: {str(e)[:160]}"}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.json:
-                    with open(args.json, "w") as fh:
-                        json.dump(rows, fh, indent=1)
+                add(row)
     print("\n| op | B,T,H,D | " + " | ".join(f"{i} fwd | {i} fwd+bwd" for i in impls) + " |")
     print("|---|---|" + "---|---|" * len(impls))
     for op in ops:

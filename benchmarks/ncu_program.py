@@ -199,9 +199,10 @@ def stalls(path: str, top: int = 25):
         print("by part, split at the register reallocations (a warpgroup's code each):")
         bounds = [0, *cuts, len(data)]
         for a, b in itertools.pairwise(bounds):
-            part = data[a:b] or [data[a - 1]]
+            if a == b:
+                continue
             c = sum(n(r, samples) for r in data[a:b])
-            most = max(part, key=lambda r: n(r, samples))
+            most = max(data[a:b], key=lambda r: n(r, samples))
             print(f"  SASS lines {a:5d}-{b - 1:5d} {c:8d} {100 * c / everything:5.1f}%  most at {most[ix['Source']].strip()[:50]}")
     ranked = sorted(data, key=lambda r: -n(r, samples))
     for r in ranked[:top]:

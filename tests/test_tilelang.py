@@ -547,21 +547,29 @@ def test_build_outputs_for_every_program():
             assert build._built(meta, build.content_key(v, p)), v.target(p)
 
 
+def _ncu_program():
+    """benchmarks/ncu_program.py as a module (the benchmarks are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("ncu_program", Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_program.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
 def test_cubin_launcher_reads_every_program():
     """benchmarks/ncu_program.py (Nsight Compute on the built cubins, without JAX) reads every
     program's JSON: each launch argument resolved to a buffer, a TMA descriptor (its dims, strides
     and box evaluated) or a dimension, and the grid and block evaluated, for a problem of 2
     sequences of 256 tokens and 3 heads."""
     import ctypes
-    import importlib.util
     from pathlib import Path
 
     from kernels.variants import VARIANTS
 
     root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("ncu_program", root / "benchmarks" / "ncu_program.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _ncu_program()
 
     class Recorder:  # the driver calls, recorded instead of made
         def upload(self, a):
@@ -586,13 +594,7 @@ def test_cubin_launcher_reads_every_program():
 def test_stall_summary_splits_the_warpgroups(tmp_path, capsys):
     """`ncu_program.py --stalls` sums a SASS page's stall samples per reason and per warpgroup's part
     (the code between register reallocations), and ranks the instructions."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("ncu_program", root / "benchmarks" / "ncu_program.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _ncu_program()
     head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb", "stall_barrier"]
     sass = [("LDC R1", 1, 1, 0), ("USETMAXREG.DEALLOC.CTAPOOL 0x28", 0, 0, 0), ("UTMALDG.3D", 2, 2, 0), ("BSSY B0", 30, 0, 30),
             ("USETMAXREG.TRY_ALLOC.CTAPOOL UP1, 0xc8", 0, 0, 0), ("@!P0 BRA 0x10", 50, 50, 0), ("HGMMA.64x64x16", 7, 0, 7)]
