@@ -289,10 +289,10 @@ def _gate_rows(G, C: int):
 
 def _stores_gate_rows(p: Problem, K: int) -> bool:
     """Whether the forward under a gradient hands the backward G's per-chunk rows (`_gate_rows`, as
-    `[B, NT_b, HV, C]`): the delta rules' where both their forward storing h and their reverse pass
-    load them by TMA (`g_rows`, K <= 128), so that they are formed once (by XLA's transpose, or by
-    the WY kernel where it sums the gates, `g_scan`)."""
-    return p.delta and all(_config(p, d, K, name).get("g_rows", False) for d, name in (("fwd", "fused_h"), ("bwd", "dh")))
+    `[B, NT_b, HV, C]`): simple GLA's and the delta rules' where both their forward storing h and
+    their reverse pass load them by TMA (`g_rows`, K <= 128), so that they are formed once (by XLA's
+    transpose, or by the delta rules' WY kernel where it sums the gates, `g_scan`)."""
+    return p.op != "gla" and all(_config(p, d, K, name).get("g_rows", False) for d, name in (("fwd", "fused_h"), ("bwd", "dh")))
 
 
 def _wy_name(store_h: bool, l2norm: bool) -> str:
@@ -423,7 +423,8 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         # gates per step where it sums them itself (`g_scan`)
         name = "fused_h" if store_h else "fused"
         scan = not store_h and _config(p, "fwd", K, name).get("g_scan")
-        ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C)), ()
+        grows = _gate_rows(Gf, C) if store_rows else None  # (for this pass and the backward's)
+        ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C, grows)), ()
         pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
         if pieces > 1:
             return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, Gf, B, C)
@@ -507,7 +508,7 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     m = n + 1 + len(_stored_layouts(p)) + (2 if l2norm else 0) + store_rows
     ct = 1 + has_dht  # (do, and dht where the loss takes the final state)
     tokens, h, wy, tables, (do, *dht) = arrays[:n], arrays[n], arrays[n + 1 : m], arrays[m:-ct], arrays[-ct:]
-    wy, grows = (wy[:-1], wy[-1]) if store_rows else (wy, None)
+    wy, grows = (wy[:-1], wy[-1].reshape(-1, *wy[-1].shape[2:])) if store_rows else (wy, None)  # (rows the forward formed)
     wy, norms = (wy[:-2], wy[-2:]) if l2norm else (wy, ())
     C = p.chunk_size
     B, Lr, _, K = tokens[0].shape
@@ -528,7 +529,7 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         qd = qf
         if p.op == "gla":
             wy, Gf, qd = wy[:1], wy[1].reshape(Gf.shape), wy[2].reshape(qf.shape)
-        gates = Gf if p.op == "gla" else _gates_for(p, "bwd", K, "dh", Gf, C)  # (simple GLA's as its reverse pass takes them)
+        gates = Gf if p.op == "gla" else _gates_for(p, "bwd", K, "dh", Gf, C, grows)  # (simple GLA's as its reverse pass takes them)
         dh, dh0 = _call(bwd["dh"], (_like(hf), dh0_like), qd, dof, gates, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
         grads = _consumer(p, bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
@@ -543,7 +544,7 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     # value heads -> q/k heads (nothing where they are the same)
     group_sum = lambda x: x if HV == H else x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)
     # (with dv_new, `du`, the gradient of v_new that its chain forms)
-    gates = _gates_for(p, "bwd", K, "dh", Gf, C, grows.reshape(-1, *grows.shape[2:]) if store_rows else None)  # (rows the forward formed)
+    gates = _gates_for(p, "bwd", K, "dh", Gf, C, grows)
     dh, dh0, du = _call(bwd["dh"], (_like(hf), dh0_like, _like(vf)), qf, kf, wd, dof, gates, dht, cstart, ccount, scale=s)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     heads = lambda x: _like(x, None, HV)

@@ -226,7 +226,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("l2norm", True),), dims=(256,)),
     ),
     ("simple_gla", "bwd"): (
-        Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0")),
+        # G's rows by TMA at K = 64, 128 (since the twenty-seventh session; the forward under a gradient hands them over,
+        # `_stores_gate_rows`), not each chunk's column by the loading warpgroup's threads, whose loads the next chunk's
+        # copies waited out (as the forward's gate scan did): 0.1102 / 0.1447 / 0.0577 against 0.1233 / 0.1814 / 0.0619 ms
+        # at 4,4096,16,128 / 2,8192,16,128 / 8,2048,16,64 (bf16, H100, 2026-12-05, ten launches a sample, interleaved;
+        # the same bits); the training step 0.688 against 0.703, 0.779 against 0.811, 0.309 against 0.311
+        Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=G_ROWS, dims=(64, 128)),
+        Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), dims=(256,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=FLAT_64,
                 dims=(64,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=FLAT_BV32,
@@ -449,7 +455,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the warp-specialized consumer at K = 64 (dispatched before FLAT_64)
     ("simple_gla", "bwd", "bf16", 64): (
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
-        Program(name="x_dh_rows", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=G_ROWS),
     ),
     ("delta", "bwd", "bf16", 256): (
         Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
@@ -474,9 +479,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
         Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
                 config=(("BK", 64),)),
-        # G's rows by TMA (XLA transposes G again), not each chunk's column by the loading warpgroup's threads, whose
-        # loads the next chunk's copies wait out (as the forward's gate scan did): not yet run on a GPU
-        Program(name="x_dh_rows", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=G_ROWS),
     ),
 }
 

@@ -59,25 +59,35 @@ ROWS_CASES = [
 
 
 @pytest.mark.parametrize("case", ROWS_CASES, ids=str)
-def test_simple_gla_row_experiments_match_float64(case, emulated, monkeypatch):
-    """Simple GLA's experiments that load G's per-chunk rows by TMA put in place (`EXPERIMENT_OVERRIDES`):
-    the reverse pass `x_dh_rows` and the forward `x_fused_tp4`. The backend hands each G as rows
-    `[NT, H, 64]`, and o, ht and every gradient match float64, emulated."""
-    gates = {}
+def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
+    """Simple GLA under a gradient with G's per-chunk rows loaded by TMA: the reverse pass `dh` (K = 64,
+    128) and the forward experiment `x_fused_tp4` put in place (`EXPERIMENT_OVERRIDES`). Each takes G
+    as rows `[NT, H, 64]`, the forward under the gradient hands its rows to the backward
+    (`_stores_gate_rows`: XLA transposes G once, not again in the backward), and o, ht and every
+    gradient match float64, emulated."""
+    gates, transposes = {}, []
 
     def record(target, results, *args, **attrs):
         name = target.rsplit("_c64_", 1)[1]
-        if name in ("x_dh_rows", "x_fused_tp4", "fused"):
-            gates[name] = args[2 if name == "x_dh_rows" else 3].shape
+        if name in ("dh", "x_fused_tp4", "fused_h"):
+            gates[name] = args[2 if name == "dh" else 3].shape
         return kernel_emulator.call(target, results, *args, **attrs)
 
+    def gate_rows(G, C):
+        transposes.append(G.shape)
+        return gate_rows_of(G, C)
+
+    gate_rows_of = tilelang_backend._gate_rows
     monkeypatch.setattr(tilelang_backend, "_call", record)
-    monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "bwd", "dh"), "x_dh_rows")
+    monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)
     monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "fwd", "fused"), "x_fused_tp4")
+    assert tilelang_backend._stores_gate_rows(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), case.K)
     errs = errors_against_float64(case, 43)
     NT = case.B * -(-case.T // 64) if case.cu is None else None
-    assert set(gates) == {"x_dh_rows", "x_fused_tp4"}, gates
+    assert set(gates) == {"dh", "x_fused_tp4", "fused_h"}, gates
     assert all(len(s) == 3 and s[1:] == (case.H, 64) and (NT is None or s[0] == NT) for s in gates.values()), gates
+    # one transpose for the forward with no gradient, one for the forward under it (handed to the backward)
+    assert len(transposes) == 2, transposes
     assert all(e <= 5e-3 for e in errs.values()), errs
 
 
