@@ -165,25 +165,23 @@ def _override(item: str, option: str):
 @contextlib.contextmanager
 def _alternative(spec: str):
     """The tilelang backend's switches and experiment overrides as `spec` sets them while the
-    functions trace: comma-separated `xla-zeros` (ZERO_ROW_H0, ZERO_ROW_DHT off), `xla-sums`
-    (GATE_SUMS_BY_PRODUCT off) and `op.direction.program=experiment` entries."""
+    functions trace: comma-separated `xla-zeros` (ZERO_ROW_H0, ZERO_ROW_DHT off) and
+    `op.direction.program=experiment` entries."""
     from fla_jax import tilelang_backend as tb
 
-    saved = (tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT, tb.GATE_SUMS_BY_PRODUCT, dict(tb.EXPERIMENT_OVERRIDES))
+    saved = (tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT, dict(tb.EXPERIMENT_OVERRIDES))
     try:
         for item in filter(None, spec.split(",")):
             if item == "xla-zeros":
                 tb.ZERO_ROW_H0 = tb.ZERO_ROW_DHT = False
-            elif item == "xla-sums":
-                tb.GATE_SUMS_BY_PRODUCT = False
             else:
-                key, name = _override(item, "--alt (or xla-zeros, xla-sums)")
+                key, name = _override(item, "--alt (or xla-zeros)")
                 tb.EXPERIMENT_OVERRIDES[key] = name
         yield
     finally:
-        tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT, tb.GATE_SUMS_BY_PRODUCT = saved[:3]
+        tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT = saved[:2]
         tb.EXPERIMENT_OVERRIDES.clear()
-        tb.EXPERIMENT_OVERRIDES.update(saved[3])
+        tb.EXPERIMENT_OVERRIDES.update(saved[2])
 
 
 def jax_step(impl, op, shape):
@@ -272,7 +270,7 @@ def main(argv=None):
                     help="tilelang: XLA's zero states for the passes where a call has no initial state or the loss takes no final "
                          "state (ZERO_ROW_H0, ZERO_ROW_DHT off; by default the passes get no rows and start from zeros)")
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
-                    help="tilelang configured otherwise (comma-separated xla-zeros, xla-sums, op.direction.program=experiment), timed "
+                    help="tilelang configured otherwise (comma-separated xla-zeros, op.direction.program=experiment), timed "
                          "in the same process as the implementation fla_jax:tilelang@NAME (name it in --impls)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="> 1: the JAX implementations of each op and shape timed in turn this many times (fla apart)")

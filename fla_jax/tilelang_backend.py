@@ -111,12 +111,6 @@ ZERO_ROW_H0 = True
 # alone go. On since 2026-12-05 (the same tests).
 ZERO_ROW_DHT = True
 
-# The gates' in-chunk sums (and their VJP, the sums from each chunk's end) as a float32 product with a
-# triangular matrix of ones, one GEMM of XLA's that also forms the per-chunk rows the passes load by TMA
-# (`_in_chunk_cumsum`); XLA's cumulative sum (a scan of slices and adds, four launches and a transpose
-# with simple GLA's forward: 13 us at 4,4096,16,128 on an H100, against a 90 us pass) where off.
-GATE_SUMS_BY_PRODUCT = True
-
 # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
 # bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
 VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -201,27 +195,15 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     return _layout.unpack(o, layout, T), ht
 
 
-def _in_chunk_cumsum(g, C: int, reverse: bool = False, rows: bool = False):
+def _in_chunk_cumsum(g, C: int, reverse: bool = False):
     """The cumulative sum of the per-step gates within each chunk of `C` rows (axis 1 of chunk rows
     `[B, NT * C, H]`, or axis 0 of flat ones `[NT * C, H]`); `reverse`: from each chunk's end (the
-    sum's VJP). `rows`: of flat gates, as per-chunk rows `[NT, H, C]` (`_gate_rows` of the sums).
-    Under GATE_SUMS_BY_PRODUCT a float32 product with a triangular matrix of ones (XLA's GEMM, the
-    transpose to rows in its operand order), else XLA's cumulative sum."""
+    sum's VJP)."""
     axis = 1 if g.ndim == 3 else 0
     x = g.reshape(*g.shape[:axis], -1, C, *g.shape[axis + 1 :])
-    if not GATE_SUMS_BY_PRODUCT:
-        if reverse:
-            out = jnp.flip(jnp.cumsum(jnp.flip(x, axis + 1), axis=axis + 1), axis + 1).reshape(g.shape)
-        else:
-            out = jnp.cumsum(x, axis=axis + 1).reshape(g.shape)
-        return _gate_rows(out, C) if rows else out
-    d, c = (jax.lax.broadcasted_iota(jnp.int32, (C, C), i) for i in (0, 1))  # (iota: custom partitioning takes no constants)
-    tri = ((c >= d) if reverse else (c <= d)).astype(x.dtype)  # [d, c]: step c's gate in the sum at step d
-    product = functools.partial(jax.lax.dot_general, precision=jax.lax.Precision.HIGHEST, preferred_element_type=x.dtype)
-    if rows:  # [NT, H, C] as the product's own order (no transpose)
-        assert axis == 0, "rows of flat gates"
-        return product(x, tri, (((1,), (1,)), ((), ())))
-    return jnp.moveaxis(product(tri, x, (((1,), (axis + 1,)), ((), ()))), 0, axis + 1).reshape(g.shape)
+    if reverse:
+        return jnp.flip(jnp.cumsum(jnp.flip(x, axis + 1), axis=axis + 1), axis + 1).reshape(g.shape)
+    return jnp.cumsum(x, axis=axis + 1).reshape(g.shape)
 
 
 # ----------------------------------------------------------------------------- use_qk_l2norm_in_kernel
@@ -427,8 +409,8 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
             *wy, qf, kf, rq, rk = wy
             norms = tuple(x.reshape(B, Lr, *x.shape[1:]) for x in (qf, kf, rq, rk))
         name = "fused_h" if store_h else "fused"
-        if grows is None and store_rows:  # (for this pass and the backward's; Gf is XLA's sums of graw here)
-            grows = _in_chunk_cumsum(graw, C, rows=True)
+        if grows is None and store_rows:  # (XLA's transpose, for this pass and the backward's)
+            grows = _gate_rows(Gf, C)
         ins, extra = (qf, kf, *wy[:2], _gates_for(p, "fwd", K, name, Gf, C, grows)), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
@@ -441,12 +423,11 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         # gates per step where it sums them itself (`g_scan`)
         name = "fused_h" if store_h else "fused"
         scan = not store_h and _config(p, "fwd", K, name).get("g_scan")
-        if not scan and (store_rows or _config(p, "fwd", K, name).get("g_rows")):  # (for this pass and the backward's)
-            grows = _in_chunk_cumsum(graw, C, rows=True)
+        grows = _gate_rows(Gf, C) if store_rows else None  # (for this pass and the backward's)
         ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C, grows)), ()
         pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
         if pieces > 1:
-            return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, Gf if grows is None else grows, B, C)
+            return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, Gf, B, C)
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
     out = _call(
         _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
@@ -488,8 +469,7 @@ def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, G, B: int,
     pieces at once by the state pass (`fused`, as `pieces * B` sequences, the first piece from h0,
     the others from zero states); then `enter` adds what the states entering the later pieces
     contribute to their output. `ins`: the pass's token inputs (q, k, v and the gates as it takes
-    them), `h0` with no rows where there is none, `G` the in-chunk sums `[L, H]` or their per-chunk
-    rows `[NT, H, C]`."""
+    them), `h0` with no rows where there is none, `G` the in-chunk sums `[L, H]`."""
     q = ins[0]
     L, H, K = q.shape
     V = ins[2].shape[-1]
@@ -501,7 +481,7 @@ def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, G, B: int,
     s = np.float32(scale)
     o, ht = _call(targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), jax.ShapeDtypeStruct((B * pieces, H, K, V), jnp.float32)),
                   *ins, h0s, first, jnp.full_like(first, m), scale=s)
-    rows = G if G.ndim == 3 else _gate_rows(G, C)  # [NT, H, C]
+    rows = _gate_rows(G, C)  # [NT, H, C]
     chunk = rows[:, :, -1].reshape(B, pieces, m, H)  # a chunk's whole decay
     ht = ht.reshape(B, pieces, H, K, V)
     S, enter = jnp.zeros_like(ht[:, 0]), []  # the state entering each piece (piece 0's is in o already)
@@ -615,7 +595,7 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
     backward's arrays (`_stores_gate_rows`). `has_dht` (`bwd`): the final state's cotangent among
     the arrays (none where the loss takes no final state)."""
     switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())),
-                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0, ZERO_ROW_DHT, GATE_SUMS_BY_PRODUCT)
+                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0, ZERO_ROW_DHT)
     return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, store_rows, has_dht, switches, VJP_PRECISION)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from cases import DELTA_BWD_MODES, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
@@ -64,9 +63,9 @@ def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
     """Simple GLA under a gradient with G's per-chunk rows loaded by TMA: the reverse pass `dh` (K = 64,
     128) and the forward experiment `x_fused_tp4` put in place (`EXPERIMENT_OVERRIDES`). Each takes G
     as rows `[NT, H, 64]`, the forward under the gradient hands its rows to the backward
-    (`_stores_gate_rows`: XLA forms them once, not again in the backward), and o, ht and every
+    (`_stores_gate_rows`: XLA transposes G once, not again in the backward), and o, ht and every
     gradient match float64, emulated."""
-    gates, formed = {}, []
+    gates, transposes = {}, []
 
     def record(target, results, *args, **attrs):
         name = target.rsplit("_c64_", 1)[1]
@@ -74,42 +73,22 @@ def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
             gates[name] = args[2 if name == "dh" else 3].shape
         return kernel_emulator.call(target, results, *args, **attrs)
 
-    def sums(g, C, reverse=False, rows=False):
-        formed.extend([g.shape] if rows else [])
-        return sums_of(g, C, reverse, rows)
+    def gate_rows(G, C):
+        transposes.append(G.shape)
+        return gate_rows_of(G, C)
 
-    sums_of = tilelang_backend._in_chunk_cumsum
+    gate_rows_of = tilelang_backend._gate_rows
     monkeypatch.setattr(tilelang_backend, "_call", record)
-    monkeypatch.setattr(tilelang_backend, "_in_chunk_cumsum", sums)
+    monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)
     monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "fwd", "fused"), "x_fused_tp4")
     assert tilelang_backend._stores_gate_rows(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), case.K)
     errs = errors_against_float64(case, 43)
     NT = case.B * -(-case.T // 64) if case.cu is None else None
     assert set(gates) == {"dh", "x_fused_tp4", "fused_h"}, gates
     assert all(len(s) == 3 and s[1:] == (case.H, 64) and (NT is None or s[0] == NT) for s in gates.values()), gates
-    # rows formed once for the forward with no gradient, once for the forward under it (handed to the backward)
-    assert len(formed) == 2, formed
+    # one transpose for the forward with no gradient, one for the forward under it (handed to the backward)
+    assert len(transposes) == 2, transposes
     assert all(e <= 5e-3 for e in errs.values()), errs
-
-
-@pytest.mark.parametrize("reverse", [False, True], ids=["sums", "reverse"])
-def test_gate_sums_by_product_match_float64(reverse, monkeypatch):
-    """The gates' in-chunk sums as a product with a triangular matrix (GATE_SUMS_BY_PRODUCT, chunk rows
-    and flat ones, and as per-chunk rows) and by XLA's cumulative sum (off) match float64 sums of the
-    same gates: every chunk restarts, and `reverse` sums from each chunk's end."""
-    C, NT, H = 64, 5, 3
-    g = np.random.default_rng(5).normal(size=(2, NT * C, H)).astype(np.float32) * 3
-    x = g.reshape(2, NT, C, H).astype(np.float64)
-    want = (np.flip(np.cumsum(np.flip(x, 2), 2), 2) if reverse else np.cumsum(x, 2)).reshape(g.shape)
-    want_rows = want[0].reshape(NT, C, H).transpose(0, 2, 1)
-    for product in (True, False):
-        monkeypatch.setattr(tilelang_backend, "GATE_SUMS_BY_PRODUCT", product)
-        got = np.asarray(tilelang_backend._in_chunk_cumsum(jnp.asarray(g), C, reverse))
-        flat = np.asarray(tilelang_backend._in_chunk_cumsum(jnp.asarray(g[0]), C, reverse))
-        rows = np.asarray(tilelang_backend._in_chunk_cumsum(jnp.asarray(g[0]), C, reverse, rows=True))
-        assert got.shape == g.shape and flat.shape == g[0].shape and rows.shape == (NT, H, C)
-        for a, b in ((got, want), (flat, want[0]), (rows, want_rows)):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5, err_msg=f"product={product}")
 
 
 SPLIT_CASES = [
@@ -332,10 +311,8 @@ def test_glue_partitions_along_batch_and_heads(op, norm_fused, emulated, monkeyp
         got_g, (got_o, got_ht) = step(sdiff, scot)
     assert not re.findall(r"all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce", hlo)
     assert err_ratio(want_o, got_o) < 1e-6 and err_ratio(want_ht, got_ht) < 1e-6
-    for n in want_g:  # (XLA's products of the gates' sums, GATE_SUMS_BY_PRODUCT, round a few float32 ulps otherwise at
-        # another batch size, and a bf16 gradient can then round the other way in an element: 4e-5 seen; a wrong
-        # partition is off by O(1))
-        assert err_ratio(want_g[n], got_g[n]) < 1e-4, n
+    for n in want_g:
+        assert err_ratio(want_g[n], got_g[n]) < 1e-6, n
 
 
 def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
@@ -436,7 +413,7 @@ def test_bench_rounds_interleaves_the_implementations(tmp_path):
     import bench
 
     rows = bench.main(["--ops", "simple_gla", "--shapes", "1x128x2x64", "--impls", "fla_jax:xla,fla_jax:xla@z,nope:x",
-                       "--alt", "z=xla-zeros,xla-sums", "--rounds", "2", "--json", str(tmp_path / "b.json")])
+                       "--alt", "z=xla-zeros", "--rounds", "2", "--json", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "b.json").read_text()) == json.loads(json.dumps(rows))
     assert [r["impl"] for r in rows] == ["fla_jax:xla", "fla_jax:xla@z", "nope:x"]
     first, alt, bad = rows
