@@ -1,20 +1,12 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). After the twenty-sixth session (2026-12-05): simple GLA's forward takes G's
-# rows by TMA again at K = 64, 128 (its loading warpgroup's gate scan bounded the pass once the chain no
-# longer spilled: 0.1200 -> 0.1040 ms on an H100, the op 0.127 -> 0.117 at 4,4096,16,128). Owed: simple GLA's
-# float64 cases with that program dispatched (it is the cubin of `x_fused_rows`, GPU-tested against the scan
-# the same day); `x_fused_tp4` (S^T, P in registers, four stages, with rows) and simple GLA's reverse pass
-# `x_dh_rows` (G's rows by TMA, not each chunk's column by the loader's threads) against the dispatched
-# programs and timed beside them, then the ops with them in place:
+# session for what is owed). After the twenty-seventh session (2026-12-05): nothing built is unmeasured
+# (simple GLA's `dh` with G's rows dispatched and GPU-tested, 119 GPU tests passed at 17658cb on an H100).
+# The standing check after any kernel or glue change, with the ops timed beside jla at every issue shape:
 #
-#   S=fla_simple_gla_fwd_bf16_k128_v128_c64; B=fla_simple_gla_bwd_bf16_k128_v128_c64; S6=...k64_v64...; B6=...
-#   PROGS="${S}_fused ${S}_x_fused_tp4 ${B}_dh ${B}_x_dh_rows" PROGS2="${S6}_fused ${S6}_x_fused_tp4 ${B6}_dh ${B6}_x_dh_rows" \
-#     bash benchmarks/pending_call.sh prep
-#   OUT=$OUT TT=200 SEL="simple_gla and (matches_float64 or experimental_programs)" PROGS=... SHAPES="4x4096x16x128 2x8192x16x128" \
-#     PROGS2=... SHAPES2=8x2048x16x64 BENCH=1 OPS=simple_gla BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64 \
-#     ALTS="tp4=simple_gla.fwd.fused=x_fused_tp4 dh=simple_gla.bwd.dh=x_dh_rows" ROUNDS=3 TB=240 bash benchmarks/pending_call.sh
-#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~170 s of wall time)
+#   OUT=$OUT TT=300 SEL="matches_float64 or experimental_programs or without_initial_state" BENCH=1 ALTS= \
+#     OPS=simple_gla,gdn BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64,4x4096x8x256 ROUNDS=3 TB=300 bash benchmarks/pending_call.sh
+#   (carry .whl and fla_jax/_ext.abi3.so; ~170 s of tests, ~230 s of timing)
 # SEL picks the GPU tests; BENCH=1 times the ops beside jla with ALTS (`--alt` arguments) as extra
 # columns, in turn ROUNDS times (default 5; `bench.py --rounds`, the ratio to ours beside each); NEW=1
 # the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target name (OLD=dir

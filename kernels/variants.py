@@ -81,7 +81,7 @@ G_ROWS: Final = (("g_rows", True),)
 # at K <= 128 since 2026-12-05; the delta rules' inverse as the experiments x_inv_scan, x_inv_l2_scan: 0.0904
 # against 0.0893 ms for `inv_l2` at 4,4096,16,128 on an H100, the op's gain within the noise between processes)
 G_SCAN: Final = (("g_scan", True),)
-# under a gradient (built 2026-12-05, not yet run on a GPU): the delta rules' training WY kernel summing the gates
+# under a gradient (built 2026-12-05; the same values as the dispatched programs on an H100 the same day): the delta rules' training WY kernel summing the gates
 # per step and writing G and its rows (`x_wy_t_l2_scan`: XLA's cumulative sum and transpose go; at K = 256, where
 # `wy_t_l2` is not dispatched, it also takes the two `norm` passes' place), and their WY VJP adding the consumer's
 # gradient of G to its own and summing it back to the gates per step (`x_wy_bwd_l2_sum`: XLA's add and reverse
@@ -381,7 +381,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # 0.1135 / 0.1173 against 0.1161 / 0.1200 ms at 4,4096,16,128 (two calls), 0.1833 against 0.1868 at
         # 2,8192,16,128, 0.0626 against 0.0622 at 8,2048,16,64. S^T alone (x_fused_t, 0.1156 against 0.1164), P in
         # registers alone (0.1151), with four stages (0.1144), the scan's gates fetched a chunk ahead (0.1209 against
-        # 0.1200): within ~2 %, dropped. Now with G's rows, as `fused` takes them: not yet run on a GPU
+        # 0.1200): within ~2 %, dropped. With G's rows, as `fused` takes them (H100, 2026-12-05, the same bits): 0.1041
+        # against 0.1011 ms at 4,4096,16,128, 0.1510 against 0.1659 at 2,8192,16,128 (where the op splits the pass:
+        # the op 1.021x slower there), 0.0607 against 0.0589 at 8,2048,16,64; not taken
         Program(name="x_fused_tp4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_ROWS, ("stages", 4), ("transposed", True), ("p_regs", True))),
         Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
