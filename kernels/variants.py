@@ -81,11 +81,11 @@ G_ROWS: Final = (("g_rows", True),)
 # at K <= 128 since 2026-12-05; the delta rules' inverse as the experiments x_inv_scan, x_inv_l2_scan: 0.0904
 # against 0.0893 ms for `inv_l2` at 4,4096,16,128 on an H100, the op's gain within the noise between processes)
 G_SCAN: Final = (("g_scan", True),)
-# under a gradient (built 2026-12-05; the same values as the dispatched programs on an H100 the same day): the delta rules' training WY kernel summing the gates
-# per step and writing G and its rows (`x_wy_t_l2_scan`: XLA's cumulative sum and transpose go; at K = 256, where
-# `wy_t_l2` is not dispatched, it also takes the two `norm` passes' place), and their WY VJP adding the consumer's
-# gradient of G to its own and summing it back to the gates per step (`x_wy_bwd_l2_sum`: XLA's add and reverse
-# cumulative sum go)
+# under a gradient (built 2026-12-05; the same values as the dispatched programs on an H100 the same day): the delta
+# rules' training WY kernel summing the gates per step and writing G and its rows (`x_wy_t_l2_scan`: XLA's cumulative
+# sum and transpose go; at K = 256, where `wy_t_l2` is not dispatched, it also takes the two `norm` passes' place), and
+# their WY VJP adding the consumer's gradient of G to its own and summing it back to the gates per step
+# (`x_wy_bwd_l2_sum`: XLA's add and reverse cumulative sum go)
 WY_T_L2_SCAN_OUTPUTS: Final = ("w", "u", "t", "yq", "yk", "rq", "rk", "gs", "grows")
 DG_SUM: Final = (("dg_sum", True),)
 # the forward state passes' chain warpgroup forms exp(G_C - G) once per row of v (v_new) rather than once per element
