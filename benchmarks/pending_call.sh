@@ -11,7 +11,8 @@
 # columns, in turn ROUNDS times (default 5; `bench.py --rounds`, the ratio to ours beside each); NEW=1
 # the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target name (OLD=dir
 # copies in a previous build's cubins as old_*), NCU profiles them, NCUOP ("op:BxTxHxD ...") each
-# implementation's forward kernels with clocks as run, PROFILE lists an op's kernels and XLA's glue (PIMPLS: of which implementations).
+# implementation's forward kernels with clocks as run, PROFILE lists an op's kernels and XLA's glue (PIMPLS: of which implementations),
+# MEMCHECK=BxTxHx128 runs every prepared program under compute-sanitizer memcheck (PROGS=... prep first; ~1 s a program).
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen
@@ -50,6 +51,16 @@ if [ ${#progs2[@]} -gt 0 ]; then
   done | tee "$O/times2.txt"
 fi
 echo "t=${SECONDS}"
+if [ -n "${MEMCHECK:-}" ]; then  # every program prepared in .prof/gen under compute-sanitizer memcheck, from its cubin
+  # (no JAX: memcheck segfaulted under it), at MEMCHECK's shape for K = 128 (BxTxHx128) and 1x704x2x64 at K = 64
+  for j in .prof/gen/*.json; do
+    t=$(basename "$j" .json)
+    case $t in *_k64_*) s=1x704x2x64;; *) s=$MEMCHECK;; esac
+    r=$(timeout 60 "${CS:-/usr/local/cuda/bin/compute-sanitizer}" --tool memcheck --print-limit 3 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --reps 1 $t 2>&1)
+    echo "$t $s: $(echo "$r" | grep -m1 "ERROR SUMMARY") $(echo "$r" | grep -m1 -E "median") $(echo "$r" | grep -m2 -E "Invalid|Traceback" | tr '\n' ' ')"
+  done | tee "$O/memcheck.txt"
+  echo "t=${SECONDS}"
+fi
 if [ -n "${NCU:-}" ]; then  # Nsight Compute of the named programs at 4,4096,16,128: stall summaries
   mkdir -p /tmp/ncu
   for t in $NCU; do
