@@ -52,10 +52,10 @@ if [ ${#progs2[@]} -gt 0 ]; then
 fi
 echo "t=${SECONDS}"
 if [ -n "${MEMCHECK:-}" ]; then  # every program prepared in .prof/gen under compute-sanitizer memcheck, from its cubin
-  # (no JAX: memcheck segfaulted under it), at MEMCHECK's shape for K = 128 (BxTxHx128) and 1x704x2x64 at K = 64
+  # (no JAX: memcheck segfaulted under it), at MEMCHECK's shape for K = 128 (BxTxHx128), 1x704x2x64 at K = 64 and 1x320x2x256 at K = 256
   for j in .prof/gen/*.json; do
     t=$(basename "$j" .json)
-    case $t in *_k64_*) s=1x704x2x64;; *) s=$MEMCHECK;; esac
+    case $t in *_k64_*) s=1x704x2x64;; *_k256_*) s=1x320x2x256;; *) s=$MEMCHECK;; esac
     r=$(timeout 60 "${CS:-/usr/local/cuda/bin/compute-sanitizer}" --tool memcheck --print-limit 3 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --reps 1 $t 2>&1)
     echo "$t $s: $(echo "$r" | grep -m1 "ERROR SUMMARY") $(echo "$r" | grep -m1 -E "median") $(echo "$r" | grep -m2 -E "Invalid|Traceback" | tr '\n' ' ')"
   done | tee "$O/memcheck.txt"
