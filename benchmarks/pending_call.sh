@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). After the twenty-seventh session (2026-12-05): nothing built is unmeasured
-# (simple GLA's `dh` with G's rows dispatched and GPU-tested, 119 GPU tests passed at 17658cb on an H100).
+# session for what is owed). After the twenty-seventh session (2026-12-05): the delta rules' WY VJP with G,
+# beta and r as per-chunk rows by TMA (`x_wy_bwd_l2_rows`, K = 64, 128; Nsight Compute had 12 % of
+# `wy_bwd_l2`'s stall samples at the shared stores waiting on those columns' per-thread loads) against the
+# dispatched program and timed beside it, then GDN with it in place:
+#
+#   B=fla_delta_bwd_bf16_k128_v128_c64; B6=fla_delta_bwd_bf16_k64_v64_c64
+#   PROGS="${B}_wy_bwd_l2 ${B}_x_wy_bwd_l2_rows" PROGS2="${B6}_wy_bwd_l2 ${B6}_x_wy_bwd_l2_rows" bash benchmarks/pending_call.sh prep
+#   OUT=$OUT TT=240 SEL="matches_float64 or experimental_programs" PROGS=... SHAPES="4x4096x16x128 2x8192x16x128" \
+#     PROGS2=... SHAPES2=8x2048x16x64 BENCH=1 OPS=gdn BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64 \
+#     ALTS="rows=delta.bwd.wy_bwd_l2=x_wy_bwd_l2_rows" ROUNDS=3 TB=240 bash benchmarks/pending_call.sh
+#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~300 s of wall time)
+#
 # The standing check after any kernel or glue change, with the ops timed beside jla at every issue shape:
 #
 #   OUT=$OUT TT=300 SEL="matches_float64 or experimental_programs or without_initial_state" BENCH=1 ALTS= \

@@ -564,7 +564,10 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         outs = (heads(kf), _like(vf), _like(Gf), _like(Gf))
         name, rks = ("wy_bwd_l2", (rk,)) if k_norm else ("wy_bwd", ())
         summed = _config(p, "bwd", K, name).get("dg_sum", False)  # (then it takes the consumer's dG, and adds it)
-        dk2, dv, dG2, dbeta = _call(bwd[name], outs, kf, vf, Gf, flat[4], Tm, hf, du.astype(kf.dtype), dkv, *((dG,) if summed else ()), *rks)
+        sums = (Gf, flat[4])
+        if _config(p, "bwd", K, name).get("g_rows"):  # G, beta and r as per-chunk rows (G's as the forward kept them)
+            sums, rks = (_gates_for(p, "bwd", K, name, Gf, C, grows), _gate_rows(flat[4], C)), tuple(_gate_rows(r, C) for r in rks)
+        dk2, dv, dG2, dbeta = _call(bwd[name], outs, kf, vf, *sums, Tm, hf, du.astype(kf.dtype), dkv, *((dG,) if summed else ()), *rks)
         dk2 = group_sum(dk2)
     else:
         if fused:  # the XLA WY VJP takes dw = -du h^T

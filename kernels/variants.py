@@ -415,6 +415,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the delta rules' state-gradient pass in one warpgroup (the default before)
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
+        # G, beta and r as per-chunk rows by TMA with k and v (`g_rows`; the dispatched program loads their columns by each
+        # thread, 12 % of its stall samples at 4,4096,16,128 on an H100, 2026-12-05): not yet run on a GPU
+        Program(name="x_wy_bwd_l2_rows", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("g_rows", True))),
         # the products from T's and dT's hi halves alone (`lo=False`; fla's precision: its A in bf16), 12 GEMMs a
         # program instead of 21: slower, 0.3528 against 0.3496 ms at 4,4096,16,128 (K = 64: 0.1965 against 0.1872 at
         # 8,2048,16,64; bf16, H100, 2026-12-05, ten launches a sample, interleaved), within 2.5e-3 of the dispatched
@@ -463,6 +467,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("l2norm", True), *DG_SUM)),
     ),
     ("delta", "bwd", "bf16", 64): (
+        Program(name="x_wy_bwd_l2_rows", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("g_rows", True))),
         Program(name="x_wy_bwd_l2_hi", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("lo", False))),
         Program(name="x_wy_bwd_hi", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd",

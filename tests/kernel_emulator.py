@@ -417,9 +417,9 @@ def delta_bwd_dqkvg(q, k, vn, G, h, do, dh, *, scale, parts=1):
 def delta_wy_bwd(k, v, G, beta, Tm, h, du, dk0):
     """kernels/delta/wy.py `chunk_delta_wy_bwd`: dk (per value head, plus dk0) and dv in the input
     dtype, dG, dbeta (float32), by JAX's VJP of the preparation (T recomputed), with
-    `dw = -du h^T` rounded to the input dtype."""
+    `dw = -du h^T` rounded to the input dtype. G and beta `[L, HV]`, or with `g_rows` per-chunk rows."""
     del Tm
-    dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
+    dk, dv, dG, dbeta = _wy_bwd(k, v, _gate_columns(G), _gate_columns(beta), h, du, dk0)
     return dk.astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
@@ -461,9 +461,9 @@ def delta_bwd_dqkvg_l2(q, k, vn, G, h, do, dh, rq, *, scale):
 
 def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):
     """`chunk_delta_wy_bwd(l2norm=True)`: dk the raw k's gradient (k normalised, rk = 1 / |k|),
-    the normalisation's gradient taken of dk in float32."""
-    dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
-    return _l2norm_grad(k, rk, dk).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
+    the normalisation's gradient taken of dk in float32 (G, beta and rk per-chunk rows with `g_rows`)."""
+    dk, dv, dG, dbeta = _wy_bwd(k, v, _gate_columns(G), _gate_columns(beta), h, du, dk0)
+    return _l2norm_grad(k, _gate_columns(rk), dk).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
 DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": delta_inv_l2, "_fused_t_l2": delta_fwd_fused_t_l2,

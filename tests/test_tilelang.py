@@ -397,7 +397,10 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
         rk = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "wy_bwd_l2" else ()  # (k the normalised y)
-        return (like(k), like(v), like(G), like(G)), (k, v, G, beta, t, h, du, dk0, *rk), {}
+        sums = (G, beta)
+        if tilelang_backend._config(prob, "bwd", D, name).get("g_rows"):  # (G, beta and r as per-chunk rows)
+            sums, rk = (gates_for("bwd"), per_chunk(beta)), tuple(per_chunk(r) for r in rk)
+        return (like(k), like(v), like(G), like(G)), (k, v, *sums, t, h, du, dk0, *rk), {}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")
 
 

@@ -209,6 +209,40 @@ def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
     assert all(e <= tol for e in errs.values()), errs
 
 
+WY_ROWS_CASES = [DELTA_CASES[1], Case("gated_delta_rule", 2, 130, 2, 128, 128, dtype="bfloat16", h0=True, l2norm=True)]
+
+
+@pytest.mark.parametrize("case", WY_ROWS_CASES, ids=str)
+def test_delta_wy_vjp_gate_rows_match_float64(case, emulated, monkeypatch):
+    """The WY VJP taking G, beta and 1 / |k| as per-chunk rows by TMA (`x_wy_bwd_l2_rows` in place):
+    G's the rows the forward kept (`_stores_gate_rows`: XLA transposes G once, in the forward; beta
+    and r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`; every gradient against float64
+    (emulated; the kernel's own check is the GPU experiments test)."""
+    seen, transposed = [], []
+
+    def record(target, results, *args, **attrs):
+        if target.endswith("_x_wy_bwd_l2_rows"):
+            seen.append(tuple(a.shape for a in (args[2], args[3], args[-1])))
+        return kernel_emulator.call(target, results, *args, **attrs)
+
+    def gate_rows(x, C):
+        transposed.append(x.shape)
+        return gate_rows_of(x, C)
+
+    gate_rows_of = tilelang_backend._gate_rows
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)
+    monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("delta", "bwd", "wy_bwd_l2"), "x_wy_bwd_l2_rows")
+    errs = errors_against_float64(case, 47)
+    HV = case.HV or case.H
+    # G's rows once, in the forward under the gradient (the one with none starts from the inverse, which
+    # writes its own rows); beta's and r's in the backward
+    assert [s[1] for s in transposed] == [HV, HV, case.H], transposed
+    NT = transposed[0][0] // 64
+    assert seen == [((NT, HV, 64), (NT, HV, 64), (NT, case.H, 64))], seen
+    assert all(e <= 1e-2 for e in errs.values()), errs
+
+
 @pytest.mark.parametrize("case", [c for c in DELTA_CASES if c.l2norm] + [Case("gated_delta_rule", 1, 100, 1, 256, 256, HV=2, dtype="bfloat16", l2norm=True)], ids=str)
 def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
     """use_qk_l2norm_in_kernel under a gradient: with DELTA_L2NORM_FUSED the WY kernel normalises q

@@ -569,7 +569,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
                        tma_loads: bool = True, tma_stores: bool = True, dvb_once: bool = False, t_regs: bool = False,
-                       l2norm: bool = False, dg_sum: bool = False, lo: bool = True):
+                       l2norm: bool = False, dg_sum: bool = False, lo: bool = True, g_rows: bool = False):
     """The WY preparation's VJP, one program per (chunk, value head), given the forward's `T`:
     from `du` (input dtype; the consumer's gradient of v_new) and the chunk's state `h` to `dk`
     (per value head: the caller sums a group; the consumer's `dk0` added, so that neither takes a
@@ -610,8 +610,15 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
     (Tried, 2026-12-05: each step's independent products issued as one group of tensor-core
     operations with one wait for all, jla's `_products`, 21 waits a program become 9, through
     `T.gemm(..., annotations={"wg_wait": -1})` and `T.warpgroup_fence_operand` on the accumulators
-    read after the group's wait: 0.299 against 0.301 ms at 4,4096,16,128, the same bits; not kept.)"""
+    read after the group's wait: 0.299 against 0.301 ms at 4,4096,16,128, the same bits; not kept.)
+    `g_rows`: G, beta (and r) as per-chunk rows (`[NT, HV, BT]`, r `[NT, H, BT]`), loaded by TMA
+    with k and v, not by each thread: Nsight Compute of `wy_bwd_l2` at 4,4096,16,128 (H100,
+    2026-12-05) found 12 % of its stall samples at the shared stores waiting on those column loads
+    (4-byte elements HV apart), at 12 % occupancy."""
+    if g_rows and (dg_sum or not tma_loads):
+        raise ValueError("chunk_delta_wy_bwd: g_rows is written for tma_loads, without dg_sum")
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
+    gshape, rshape = ((NT, HV, BT), (NT, H, BT)) if g_rows else ((L, HV), (L, H))  # G and beta; r
     acc = "float32"
     threads = threads or (256 if max(K, V) > 128 else 128)
 
@@ -663,12 +670,17 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 T.tma_copy(v[t0 : t0 + BT, ihv, 0:V], v_s, barrier=full[0])
                 if not t_regs:
                     T.tma_copy(t[ic, ihv, 0:BT, 0:BT], t_s, barrier=full[0])
+                if g_rows:  # (first read after full[0]'s wait)
+                    T.tma_copy(g[ic, ihv, 0:BT], g_s, barrier=full[0])
+                    T.tma_copy(beta[ic, ihv, 0:BT], b_s, barrier=full[0])
+                    if l2norm:
+                        T.tma_copy(rk[ic, ih, 0:BT], rk_s, barrier=full[0])
                 arrive_once(full, 0)
-            # G, beta (and r) by each thread: before dw's product, so that their latency runs beside the TMA loads'
-            T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
-            T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
-            if l2norm:
-                T.copy(rk[t0 : t0 + BT, ih], rk_s, disable_tma=True)
+            if not g_rows:  # G, beta (and r) by each thread: before dw's product, so that their latency runs beside the TMA loads'
+                T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
+                T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
+                if l2norm:
+                    T.copy(rk[t0 : t0 + BT, ih], rk_s, disable_tma=True)
             if dg_sum:
                 T.copy(dg0[t0 : t0 + BT, ihv], d0_s, disable_tma=True)
             # dw = -du h^T
@@ -830,14 +842,14 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
         def main(
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
+            beta: T.Tensor(gshape, acc),
             t: T.Tensor((NT, HV, BT, BT), acc),
             h: T.Tensor((NT, HV, K, V), dtype),
             du: T.Tensor((L, HV, V), dtype),
             dk0: T.Tensor((L, HV, K), dtype),
             dg0: T.Tensor((L, HV), acc),
-            rk: T.Tensor((L, H), acc),
+            rk: T.Tensor(rshape, acc),
             dk: T.Tensor((L, HV, K), dtype),
             dv: T.Tensor((L, HV, V), dtype),
             dg: T.Tensor((L, HV), acc),
@@ -851,8 +863,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
         def main(
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
+            beta: T.Tensor(gshape, acc),
             t: T.Tensor((NT, HV, BT, BT), acc),
             h: T.Tensor((NT, HV, K, V), dtype),
             du: T.Tensor((L, HV, V), dtype),
@@ -871,13 +883,13 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
         def main(
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
+            beta: T.Tensor(gshape, acc),
             t: T.Tensor((NT, HV, BT, BT), acc),
             h: T.Tensor((NT, HV, K, V), dtype),
             du: T.Tensor((L, HV, V), dtype),
             dk0: T.Tensor((L, HV, K), dtype),
-            rk: T.Tensor((L, H), acc),
+            rk: T.Tensor(rshape, acc),
             dk: T.Tensor((L, HV, K), dtype),
             dv: T.Tensor((L, HV, V), dtype),
             dg: T.Tensor((L, HV), acc),
@@ -891,8 +903,8 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
         def main(
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
+            beta: T.Tensor(gshape, acc),
             t: T.Tensor((NT, HV, BT, BT), acc),
             h: T.Tensor((NT, HV, K, V), dtype),
             du: T.Tensor((L, HV, V), dtype),
