@@ -52,6 +52,28 @@ def test_glue_matches_float64(case, emulated):
     assert all(e <= tol for e in errs.values()), errs
 
 
+def _watch_rows(monkeypatch, pick):
+    """Emulated programs (`kernel_emulator.call` in `_call`'s place), recording `pick(name, args)` of each
+    call where it is not None (`calls`: program name -> its records) and the shapes XLA's `_gate_rows`
+    transposes to per-chunk rows (`transposed`)."""
+    calls, transposed = {}, []
+
+    def record(target, results, *args, **attrs):
+        name = target.rsplit("_c64_", 1)[1]
+        if (seen := pick(name, args)) is not None:
+            calls.setdefault(name, []).append(seen)
+        return kernel_emulator.call(target, results, *args, **attrs)
+
+    def gate_rows(x, C):
+        transposed.append(x.shape)
+        return gate_rows_of(x, C)
+
+    gate_rows_of = tilelang_backend._gate_rows
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)
+    return calls, transposed
+
+
 ROWS_CASES = [
     Case("simple_gla", 1, 300, 2, 128, 128, dtype="bfloat16", cu=(0, 37, 37, 300), h0=True),
     Case("simple_gla", 2, 130, 2, 64, 64, dtype="bfloat16", norm=0.1),
@@ -65,24 +87,12 @@ def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
     as rows `[NT, H, 64]`, the forward under the gradient hands its rows to the backward
     (`_stores_gate_rows`: XLA transposes G once, not again in the backward), and o, ht and every
     gradient match float64, emulated."""
-    gates, transposes = {}, []
-
-    def record(target, results, *args, **attrs):
-        name = target.rsplit("_c64_", 1)[1]
-        if name in ("dh", "x_fused_tp4", "fused_h"):
-            gates[name] = args[2 if name == "dh" else 3].shape
-        return kernel_emulator.call(target, results, *args, **attrs)
-
-    def gate_rows(G, C):
-        transposes.append(G.shape)
-        return gate_rows_of(G, C)
-
-    gate_rows_of = tilelang_backend._gate_rows
-    monkeypatch.setattr(tilelang_backend, "_call", record)
-    monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)
+    calls, transposes = _watch_rows(monkeypatch, lambda name, args: args[2 if name == "dh" else 3].shape
+                                    if name in ("dh", "x_fused_tp4", "fused_h") else None)
     monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "fwd", "fused"), "x_fused_tp4")
     assert tilelang_backend._stores_gate_rows(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), case.K)
     errs = errors_against_float64(case, 43)
+    gates = {name: shapes[-1] for name, shapes in calls.items()}
     NT = case.B * -(-case.T // 64) if case.cu is None else None
     assert set(gates) == {"dh", "x_fused_tp4", "fused_h"}, gates
     assert all(len(s) == 3 and s[1:] == (case.H, 64) and (NT is None or s[0] == NT) for s in gates.values()), gates
@@ -218,20 +228,8 @@ def test_delta_wy_vjp_gate_rows_match_float64(case, emulated, monkeypatch):
     G's the rows the forward kept (`_stores_gate_rows`: XLA transposes G once, in the forward; beta
     and r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`; every gradient against float64
     (emulated; the kernel's own check is the GPU experiments test)."""
-    seen, transposed = [], []
-
-    def record(target, results, *args, **attrs):
-        if target.endswith("_x_wy_bwd_l2_rows"):
-            seen.append(tuple(a.shape for a in (args[2], args[3], args[-1])))
-        return kernel_emulator.call(target, results, *args, **attrs)
-
-    def gate_rows(x, C):
-        transposed.append(x.shape)
-        return gate_rows_of(x, C)
-
-    gate_rows_of = tilelang_backend._gate_rows
-    monkeypatch.setattr(tilelang_backend, "_call", record)
-    monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)
+    calls, transposed = _watch_rows(monkeypatch, lambda name, args: tuple(a.shape for a in (args[2], args[3], args[-1]))
+                                    if name == "x_wy_bwd_l2_rows" else None)
     monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("delta", "bwd", "wy_bwd_l2"), "x_wy_bwd_l2_rows")
     errs = errors_against_float64(case, 47)
     HV = case.HV or case.H
@@ -239,7 +237,7 @@ def test_delta_wy_vjp_gate_rows_match_float64(case, emulated, monkeypatch):
     # writes its own rows); beta's and r's in the backward
     assert [s[1] for s in transposed] == [HV, HV, case.H], transposed
     NT = transposed[0][0] // 64
-    assert seen == [((NT, HV, 64), (NT, HV, 64), (NT, case.H, 64))], seen
+    assert calls == {"x_wy_bwd_l2_rows": [((NT, HV, 64), (NT, HV, 64), (NT, case.H, 64))]}, calls
     assert all(e <= 1e-2 for e in errs.values()), errs
 
 
