@@ -419,12 +419,13 @@ def delta_wy_bwd(k, v, G, beta, Tm, h, du, dk0):
     dtype, dG, dbeta (float32), by JAX's VJP of the preparation (T recomputed), with
     `dw = -du h^T` rounded to the input dtype. G and beta `[L, HV]`, or with `g_rows` per-chunk rows."""
     del Tm
-    dk, dv, dG, dbeta = _wy_bwd(k, v, _gate_columns(G), _gate_columns(beta), h, du, dk0)
+    dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
     return dk.astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
 def _wy_bwd(k, v, G, beta, h, du, dk0):
-    """`delta_wy_bwd` in float32, before the outputs are rounded."""
+    """`delta_wy_bwd` in float32, before the outputs are rounded (G and beta as the program takes them)."""
+    G, beta = _gate_columns(G), _gate_columns(beta)
     NT, HV, K, V = h.shape
     dw = -jnp.einsum("nchv,nhkv->nchk", du.astype(f32).reshape(NT, C, HV, V), h.astype(f32))
     dw = dw.reshape(-1, HV, K).astype(du.dtype)
@@ -462,7 +463,7 @@ def delta_bwd_dqkvg_l2(q, k, vn, G, h, do, dh, rq, *, scale):
 def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):
     """`chunk_delta_wy_bwd(l2norm=True)`: dk the raw k's gradient (k normalised, rk = 1 / |k|),
     the normalisation's gradient taken of dk in float32 (G, beta and rk per-chunk rows with `g_rows`)."""
-    dk, dv, dG, dbeta = _wy_bwd(k, v, _gate_columns(G), _gate_columns(beta), h, du, dk0)
+    dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
     return _l2norm_grad(k, _gate_columns(rk), dk).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
