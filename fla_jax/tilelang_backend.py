@@ -532,7 +532,9 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         gates = Gf if p.op == "gla" else _gates_for(p, "bwd", K, "dh", Gf, C, grows)  # (simple GLA's as its reverse pass takes them)
         dh, dh0 = _call(bwd["dh"], (_like(hf), dh0_like), qd, dof, gates, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
-        grads = _consumer(p, bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, Gf, *a, hf, dof, dh, scale=s)
+        if p.op != "gla":  # (G as the consumer takes it)
+            gates = _gates_for(p, "bwd", K, "dqkvg", Gf, C, grows)
+        grads = _consumer(p, bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, gates, *a, hf, dof, dh, scale=s)
         if p.op != "gla":  # G's gradient -> the gates' per step
             grads = (*grads[:3], _in_chunk_cumsum(grads[3], C, reverse=True))
         return (*(rows(g, g.dtype) for g in grads), *((dh0,) if has_h0 else ()))
@@ -552,8 +554,11 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     q_norm = l2norm and norm_fused and fused and "dqkvg_l2" in bwd
     k_norm = l2norm and norm_fused and fused and wy_kernel
     if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, less dv (du)
-        dqkvg, rqs = (bwd["dqkvg_l2"], (rq,)) if q_norm else (bwd["dqkvg"], ())
-        dq, dkv, dG = _consumer(p, dqkvg, (heads(qf), heads(kf), _like(Gf)), qf, kf, vn, Gf, hf, dof, dh, *rqs, scale=s)
+        name, rqs = ("dqkvg_l2", (rq,)) if q_norm else ("dqkvg", ())
+        if _config(p, "bwd", K, name).get("g_rows"):  # G and r as per-chunk rows (G's as the forward kept them)
+            rqs = tuple(_gate_rows(r, C) for r in rqs)
+        gates = _gates_for(p, "bwd", K, name, Gf, C, grows)
+        dq, dkv, dG = _consumer(p, bwd[name], (heads(qf), heads(kf), _like(Gf)), qf, kf, vn, gates, hf, dof, dh, *rqs, scale=s)
         dq, dk = group_sum(dq), 0.0  # dk per value head (dkv) goes on to the WY VJP
     else:
         _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)

@@ -195,11 +195,15 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh", outputs=("dh", "dh0", "du"), config=(*DU, *G_ROWS),
                 dims=(64, 128)),
         Program(name="dh", module="delta.bwd", builder="chunk_delta_bwd_dh_1wg", outputs=("dh", "dh0", "du"), config=DU, dims=(256,)),
-        # the simple GLA consumer on v_new, less dv (`no_dv`: the reverse pass stored it): with DELTA_FUSED_BWD (the default)
+        # the simple GLA consumer on v_new, less dv (`no_dv`: the reverse pass stored it): with DELTA_FUSED_BWD (the default).
+        # At K <= 128 it takes G (and 1 / |q|) as per-chunk rows by TMA with q and k (`g_rows`, since the twenty-eighth
+        # session; G's rows as the training forward kept them), not their columns by each thread: `dqkvg_l2` 0.2809 /
+        # 0.2862 / 0.1097 ms against 0.2898 / 0.2944 / 0.1127 at 4,4096,16,128 / 2,8192,16,128 / 8,2048,16,64 (bf16, H100,
+        # 2026-12-05, ten launches a sample, interleaved; the same bits); GDN's training step 0.995x / 0.997x / 0.991x
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
-                config=(*NO_DV, *FLAT_64), dims=(64,)),
+                config=(*NO_DV, *FLAT_64, *G_ROWS), dims=(64,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
-                config=(*NO_DV, *FLAT_BV32), dims=(128,)),
+                config=(*NO_DV, *FLAT_BV32, *G_ROWS), dims=(128,)),
         # (at K = 256 as FLAT_BV32, 82.9 KB, two programs per SM: 0.602 ms, with two stages 0.552,
         # against 0.500 at 4,4096,8,256; simple GLA 0.634 against 0.519; bf16, H200, 2026-12-03: not kept)
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
@@ -208,8 +212,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # through the registers (t_regs: 99.6 KB of shared memory at K = 128, two programs per SM, 66.8
         # KB at 64, three): 0.336 / 0.347 / 0.187 ms against 0.457 / 0.453 / 0.242 at 4,4096,16,128 /
         # 2,8192,16,128 / 8,2048,16,64 bf16 (H200, 2026-12-03); at K = 256 one program per SM either way
+        # G, beta (and r) as per-chunk rows by TMA with k and v (`g_rows`, since the twenty-eighth session; G's rows as the
+        # training forward kept them), not each chunk's columns by each thread (12 % of the stall samples at the shared
+        # stores waiting on them, Nsight Compute at 4,4096,16,128 on an H100): `wy_bwd_l2` 0.3172 / 0.3156 / 0.1591 ms
+        # against 0.3422 / 0.3409 / 0.1874 at 4,4096,16,128 / 2,8192,16,128 / 8,2048,16,64 (bf16, H100, 2026-12-05, ten
+        # launches a sample, interleaved; the same bits); GDN's training step 0.986x / 1.000x / 0.965x
         Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
-                config=(("t_regs", True),), dims=(64, 128)),
+                config=(("t_regs", True), *G_ROWS), dims=(64, 128)),
         Program(name="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"), dims=(256,)),
         # the normalisation's gradient
         Program(name="norm_bwd", module="delta.norm", builder="l2norm_bwd", outputs=("dx",)),
@@ -217,11 +226,11 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # (one more input each, 1 / |q| and 1 / |k|; dq and dk of the raw q and k), in place of two
         # `norm_bwd` passes. Not at K = 256, where the consumer splits a row's key channels over two programs.
         Program(name="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
-                config=(*NO_DV, ("l2norm", True), *FLAT_64), dims=(64,)),
+                config=(*NO_DV, ("l2norm", True), *FLAT_64, *G_ROWS), dims=(64,)),
         Program(name="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
-                config=(*NO_DV, ("l2norm", True), *FLAT_BV32), dims=(128,)),
+                config=(*NO_DV, ("l2norm", True), *FLAT_BV32, *G_ROWS), dims=(128,)),
         Program(name="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
-                config=(("t_regs", True), ("l2norm", True)), dims=(64, 128)),
+                config=(("t_regs", True), ("l2norm", True), *G_ROWS), dims=(64, 128)),
         Program(name="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd", outputs=("dk", "dv", "dg", "dbeta"),
                 config=(("l2norm", True),), dims=(256,)),
     ),
@@ -235,8 +244,11 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), dims=(256,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=FLAT_64,
                 dims=(64,)),
-        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=FLAT_BV32,
-                dims=(128,)),
+        # at K = 128 with G as per-chunk rows by TMA (`g_rows`, since the twenty-eighth session): 0.3229 / 0.3247 ms against
+        # 0.3287 / 0.3335 at 4,4096,16,128 / 2,8192,16,128 (bf16, H100, 2026-12-05, the same bits), the training step 0.990x /
+        # 0.994x at 4,4096,16,128 / 2,8192,16,128; at K = 64 slower (x_dqkvg_rows)
+        Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(*FLAT_BV32, *G_ROWS), dims=(128,)),
         # K = 256: two programs per (chunk, head), 128 key channels each; dv and dg in float32 parts
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("BK", 128),), dims=(256,)),
@@ -415,10 +427,12 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the delta rules' state-gradient pass in one warpgroup (the default before)
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
-        # G, beta and r as per-chunk rows by TMA with k and v (`g_rows`; the dispatched program loads their columns by each
-        # thread, 12 % of its stall samples at 4,4096,16,128 on an H100, 2026-12-05): not yet run on a GPU
-        Program(name="x_wy_bwd_l2_rows", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
-                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("g_rows", True))),
+        # G, beta and r as columns loaded by each thread (dispatched before the twenty-eighth session)
+        Program(name="x_wy_bwd_l2_cols", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True))),
+        # the consumer with G and 1 / |q| as columns loaded by each thread (dispatched before the twenty-eighth session)
+        Program(name="x_dqkvg_l2_cols", of="dqkvg_l2", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dg"),
+                config=(*NO_DV, ("l2norm", True), *FLAT_BV32)),
         # the products from T's and dT's hi halves alone (`lo=False`; fla's precision: its A in bf16), 12 GEMMs a
         # program instead of 21: slower, 0.3528 against 0.3496 ms at 4,4096,16,128 (K = 64: 0.1965 against 0.1872 at
         # 8,2048,16,64; bf16, H100, 2026-12-05, ten launches a sample, interleaved), within 2.5e-3 of the dispatched
@@ -461,14 +475,19 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the warp-specialized consumer at K = 64 (dispatched before FLAT_64)
     ("simple_gla", "bwd", "bf16", 64): (
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
+        # G as per-chunk rows by TMA (`g_rows`, as dispatched at K = 128): slower here, 0.1452 against 0.1266 ms at
+        # 8,2048,16,64 (bf16, H100, 2026-12-05, ten launches a sample, interleaved; the same bits), the training step
+        # 1.051x; not taken (the delta rules' consumer at K = 64, with no dv, gains: 0.1097 against 0.1127)
+        Program(name="x_dqkvg_rows", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(*FLAT_64, *G_ROWS)),
     ),
     ("delta", "bwd", "bf16", 256): (
         Program(name="x_wy_bwd_l2_sum", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("l2norm", True), *DG_SUM)),
     ),
     ("delta", "bwd", "bf16", 64): (
-        Program(name="x_wy_bwd_l2_rows", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
-                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("g_rows", True))),
+        Program(name="x_wy_bwd_l2_cols", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
+                outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True))),
         Program(name="x_wy_bwd_l2_hi", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True), ("lo", False))),
         Program(name="x_wy_bwd_hi", of="wy_bwd", module="delta.wy", builder="chunk_delta_wy_bwd",
@@ -481,6 +500,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=NO_DV),
     ),
     ("simple_gla", "bwd", "bf16", 128): (
+        # G as columns loaded by each thread (dispatched before the twenty-eighth session)
+        Program(name="x_dqkvg_cols", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=FLAT_BV32),
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=FLAT_64),  # slower, see the delta rules' above
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),

@@ -116,7 +116,9 @@ def bwd_dh(q, do, G, dht, cstart, ccount, *, scale):
 
 def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale, parts=1):
     """kernels/simple_gla/bwd.py `chunk_bwd_dqkvg`. With the key channels split over `parts`
-    programs, each is this on its channels, and dv, dG come as float32 parts `[parts, L, H, .]`."""
+    programs, each is this on its channels, and dv, dG come as float32 parts `[parts, L, H, .]`.
+    G `[L, H]`, or with `g_rows` per-chunk rows `[NT, H, C]`."""
+    G = _gate_columns(G)
     if parts > 1:
         BK = q.shape[-1] // parts
         cut = lambda x, i, ax=-1: jax.lax.slice_in_dim(x, i * BK, (i + 1) * BK, axis=ax)
@@ -455,9 +457,10 @@ def _l2norm_grad(y, r, dy):
 
 
 def delta_bwd_dqkvg_l2(q, k, vn, G, h, do, dh, rq, *, scale):
-    """`chunk_bwd_dqkvg(delta=True, l2norm=True)`: dq the raw q's gradient (q normalised, rq = 1 / |q|)."""
+    """`chunk_bwd_dqkvg(delta=True, l2norm=True)`: dq the raw q's gradient (q normalised, rq = 1 / |q|;
+    G and rq per-chunk rows with `g_rows`)."""
     dq, dk, dg = delta_bwd_dqkvg(q, k, vn, G, h, do, dh, scale=scale)
-    return _l2norm_grad(q, rq, dq).astype(dq.dtype), dk, dg
+    return _l2norm_grad(q, _gate_columns(rq), dq).astype(dq.dtype), dk, dg
 
 
 def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):

@@ -386,11 +386,14 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
         sums = (like(G), jax.ShapeDtypeStruct((NT, H, 64), jnp.float32)) if takes_steps() else ()  # (and G, its rows)
         return (like(k), like(v), tm, like(q), like(k), r, r, *sums), (q, k, v, gates, beta), {}
-    if op in ("simple_gla", "delta") and name == "dqkvg":  # the consumer (the delta rules': on v_new, k unit rows)
+    if op in ("simple_gla", "delta") and name in ("dqkvg", "dqkvg_l2"):  # the consumer (the delta rules': on v_new, k unit rows)
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         k = unit(k) if op == "delta" else k
         dv = () if op == "delta" else (like(v),)  # (the delta rules' reverse pass stores it)
-        return (like(q), like(k), *dv, like(G)), (q, k, v, G, h, do, dh), {"scale": np.float32(D**-0.5)}
+        rq = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "dqkvg_l2" else ()  # (q the normalised y)
+        if tilelang_backend._config(prob, "bwd", D, name).get("g_rows"):  # (G and r as per-chunk rows)
+            rq = tuple(per_chunk(r) for r in rq)
+        return (like(q), like(k), *dv, like(G)), (q, k, v, gates_for("bwd"), h, do, dh, *rq), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy_bwd", "wy_bwd_l2"):  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
@@ -431,8 +434,8 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
         G = args[3]
         want = (*want, G, jnp.moveaxis(G.reshape(-1, 64, G.shape[1]), 1, 2))
     if dict(prog.config).get("dg_sum"):  # the WY VJP adding the consumer's dG (after dk0) and summing to the end of the chunk
-        dg0 = jnp.asarray(np.random.default_rng(7).standard_normal(args[2].shape), jnp.float32)
-        args2 = (*args[:8], dg0, *args[8:])
+        dg0 = jnp.asarray(np.random.default_rng(7).standard_normal(args2[2].shape), jnp.float32)  # ([L, HV]: it takes G's columns)
+        args2 = (*args2[:8], dg0, *args2[8:])
         dG = (want[2] + dg0).reshape(-1, 64, dg0.shape[1])
         want = (*want[:2], jnp.flip(jnp.cumsum(jnp.flip(dG, 1), axis=1), 1).reshape(dg0.shape), want[3])
     got = run(prog, results2, args2)
@@ -847,10 +850,11 @@ def _gdn_custom_calls(K: int, allowed, *, l2norm: bool, modules: bool = False):
 def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
     """GDN under value_and_grad (use_qk_l2norm_in_kernel), exported for CUDA: XLA transposes G to
     per-chunk rows once, in the forward, where the passes take rows (K <= 128; the backward's
-    reverse pass reads the rows the forward kept, `_stores_gate_rows`); with the gate-summing
-    experiments in place (bf16) XLA sums and transposes nothing: the training WY kernel writes G
-    and its rows, the WY VJP returns the gates' gradient per step (at K = 256 the WY kernel then
-    normalises q and k too, in place of the `norm` passes)."""
+    reverse pass, consumer and WY VJP read the rows the forward kept, `_stores_gate_rows`), and
+    1 / |q| for the consumer, beta and 1 / |k| for the WY VJP in the backward; with the gate-summing
+    experiments in place (bf16) XLA sums nothing and transposes 1 / |q| alone: the training WY
+    kernel writes G and its rows, the WY VJP returns the gates' gradient per step (and takes
+    columns; at K = 256 the WY kernel then normalises q and k too, in place of the `norm` passes)."""
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     if scan:
         for key, name in GATE_SCAN_EXPERIMENTS.items():
@@ -858,7 +862,7 @@ def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
     allowed = [v.target(p) for v in variants.VARIANTS for p in v.programs]
     _, step = _gdn_custom_calls(K, allowed, l2norm=True, modules=True)
     kernels = re.findall(r"custom_call @fla_delta_\w+_c64_(\w+)", step)
-    assert step.count("stablehlo.transpose") == (0 if scan or K > 128 else 1), kernels
+    assert step.count("stablehlo.transpose") == (0 if K > 128 else 1 if scan else 4), kernels
     assert ("@cumsum" in step) == (not scan), kernels
     if scan:
         assert {"x_wy_t_l2_scan", "x_wy_bwd_l2_sum"} <= set(kernels) and "norm" not in kernels, kernels

@@ -83,17 +83,19 @@ ROWS_CASES = [
 @pytest.mark.parametrize("case", ROWS_CASES, ids=str)
 def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
     """Simple GLA under a gradient with G's per-chunk rows loaded by TMA: the reverse pass `dh` (K = 64,
-    128) and the forward experiment `x_fused_tp4` put in place (`EXPERIMENT_OVERRIDES`). Each takes G
-    as rows `[NT, H, 64]`, the forward under the gradient hands its rows to the backward
-    (`_stores_gate_rows`: XLA transposes G once, not again in the backward), and o, ht and every
-    gradient match float64, emulated."""
+    128), the consumer `dqkvg` (K = 128; its columns at 64) and the forward experiment `x_fused_tp4`
+    put in place (`EXPERIMENT_OVERRIDES`). Each takes G as rows `[NT, H, 64]`, the forward under the
+    gradient hands its rows to the backward (`_stores_gate_rows`: XLA transposes G once, not again
+    in the backward), and o, ht and every gradient match float64, emulated."""
     calls, transposes = _watch_rows(monkeypatch, lambda name, args: args[2 if name == "dh" else 3].shape
-                                    if name in ("dh", "x_fused_tp4", "fused_h") else None)
+                                    if name in ("dh", "x_fused_tp4", "fused_h", "dqkvg") else None)
     monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "fwd", "fused"), "x_fused_tp4")
     assert tilelang_backend._stores_gate_rows(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), case.K)
     errs = errors_against_float64(case, 43)
     gates = {name: shapes[-1] for name, shapes in calls.items()}
     NT = case.B * -(-case.T // 64) if case.cu is None else None
+    consumer = gates.pop("dqkvg")
+    assert consumer[1:] == ((case.H, 64) if case.K == 128 else (case.H,)), consumer
     assert set(gates) == {"dh", "x_fused_tp4", "fused_h"}, gates
     assert all(len(s) == 3 and s[1:] == (case.H, 64) and (NT is None or s[0] == NT) for s in gates.values()), gates
     # one transpose for the forward with no gradient, one for the forward under it (handed to the backward)
@@ -219,26 +221,31 @@ def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
     assert all(e <= tol for e in errs.values()), errs
 
 
-WY_ROWS_CASES = [DELTA_CASES[1], Case("gated_delta_rule", 2, 130, 2, 128, 128, dtype="bfloat16", h0=True, l2norm=True)]
+WY_ROWS_CASES = [*DELTA_CASES[:3], Case("gated_delta_rule", 2, 130, 2, 128, 128, dtype="bfloat16", h0=True, l2norm=True)]
 
 
 @pytest.mark.parametrize("case", WY_ROWS_CASES, ids=str)
-def test_delta_wy_vjp_gate_rows_match_float64(case, emulated, monkeypatch):
-    """The WY VJP taking G, beta and 1 / |k| as per-chunk rows by TMA (`x_wy_bwd_l2_rows` in place):
-    G's the rows the forward kept (`_stores_gate_rows`: XLA transposes G once, in the forward; beta
-    and r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`; every gradient against float64
-    (emulated; the kernel's own check is the GPU experiments test)."""
-    calls, transposed = _watch_rows(monkeypatch, lambda name, args: tuple(a.shape for a in (args[2], args[3], args[-1]))
-                                    if name == "x_wy_bwd_l2_rows" else None)
-    monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("delta", "bwd", "wy_bwd_l2"), "x_wy_bwd_l2_rows")
+def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
+    """The delta rules' consumer (`dqkvg_l2`; `dqkvg` without use_qk_l2norm_in_kernel) and WY VJP
+    (`wy_bwd_l2`, `wy_bwd`) at K <= 128 taking G, beta and the norms' 1 / |q|, 1 / |k| as per-chunk
+    rows by TMA: G's the rows the forward kept (`_stores_gate_rows`: XLA transposes G once, in the
+    forward; beta and r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`; every gradient
+    against float64 (emulated; the kernels' own check is the GPU tests, the columns' programs
+    `x_dqkvg_l2_cols`, `x_wy_bwd_l2_cols` beside them)."""
+    consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if case.l2norm else ("dqkvg", "wy_bwd")
+    # (the consumer's G and 1 / |q|, after q, k, v_new, G, h, do, dh; the WY VJP's G, beta and 1 / |k|, after dk0)
+    picks = {consumer: lambda a: (a[3], *a[7 : 7 + case.l2norm]), wy: lambda a: (a[2], a[3], *a[8 : 8 + case.l2norm])}
+    calls, transposed = _watch_rows(monkeypatch, lambda n, args: tuple(a.shape for a in picks[n](args)) if n in picks else None)
     errs = errors_against_float64(case, 47)
     HV = case.HV or case.H
     # G's rows once, in the forward under the gradient (the one with none starts from the inverse, which
-    # writes its own rows); beta's and r's in the backward
-    assert [s[1] for s in transposed] == [HV, HV, case.H], transposed
+    # writes its own rows); beta's and both r's in the backward
+    assert sorted(s[1] for s in transposed) == sorted([HV, HV] + [case.H, case.H] * case.l2norm), transposed
     NT = transposed[0][0] // 64
-    assert calls == {"x_wy_bwd_l2_rows": [((NT, HV, 64), (NT, HV, 64), (NT, case.H, 64))]}, calls
-    assert all(e <= 1e-2 for e in errs.values()), errs
+    rs = ((NT, case.H, 64),) * case.l2norm
+    assert calls == {consumer: [((NT, HV, 64), *rs)], wy: [((NT, HV, 64), (NT, HV, 64), *rs)]}, calls
+    tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
+    assert all(e <= tol for e in errs.values()), errs
 
 
 @pytest.mark.parametrize("case", [c for c in DELTA_CASES if c.l2norm] + [Case("gated_delta_rule", 1, 100, 1, 256, 256, HV=2, dtype="bfloat16", l2norm=True)], ids=str)

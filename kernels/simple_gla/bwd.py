@@ -178,7 +178,7 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
 
 def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
                     stages: int | None = None, delta: bool = False, BK: int | None = None, tma_qk: bool = True,
-                    specialized: bool = True, l2norm: bool = False, no_dv: bool = False):
+                    specialized: bool = True, l2norm: bool = False, no_dv: bool = False, g_rows: bool = False):
     """`BK` < K splits the key channels over `K / BK` programs per (chunk, head), each the
     unsplit program at K = BK: dq and dk of a channel need only its q, k, h and dh rows (and dS,
     which each program forms from do and v). What sums over all channels is written in float32
@@ -206,11 +206,15 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
 
     `no_dv` (delta rules, whose reverse pass stores `dv_new` itself: `chunk_delta_bwd_dh(store_du=True)`):
     no dv output, so neither `A = scale Q K^T` nor `k exp(G_C - G)` nor the two products per V
-    block that formed dv; the outputs are dq, dk, dg."""
+    block that formed dv; the outputs are dq, dk, dg.
+
+    `g_rows` (with `tma_qk`): G (and `rq`) as per-chunk rows, `g [NT, heads, BT]` (`rq [NT, H, BT]`), loaded
+    by TMA with q and k, not each chunk's column by each thread."""
     BK = BK or K
     split = BK < K
     assert not (l2norm and split), "l2norm needs whole rows of dq"
     assert delta or not no_dv, "no_dv: the delta rules, whose reverse pass stores dv_new"
+    assert tma_qk or not g_rows, "g_rows: loaded by TMA with q and k (tma_qk)"
     # two-stage loads over the V blocks: 0.387 against 0.431 ms at 4,4096,16,128 bf16 (H200); at
     # K = 256 the second stage would need 273 KB of shared memory, over Hopper's 227 KB
     # (two warpgroups sharing every GEMM and elementwise step, 256 threads with the loads not
@@ -222,6 +226,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     threads = threads or 128
     # delta rules (the same consumer on v_new): HV value heads, q/k head j // (HV / H)
     heads, group = (HV, HV // H) if delta else (H, 1)
+    gshape, rshape = ((NT, heads, BT), (NT, H, BT)) if g_rows else ((L, heads), (L, H))  # G; 1 / |q|
 
     @T.macro
     def body(it, ihv, ik, q, k, v, g, h, do, dh, rq, scale, dq, dk, dv, dg):
@@ -260,13 +265,18 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             qk_full = T.alloc_barrier([1])
             T.tma_copy(q[it * BT : (it + 1) * BT, ih, c0 : c0 + BK], q_s, barrier=qk_full[0])
             T.tma_copy(k[it * BT : (it + 1) * BT, ih, c0 : c0 + BK], k_s, barrier=qk_full[0])
+            if g_rows:  # (first read after qk_full's wait)
+                T.tma_copy(g[it, ihv, 0:BT], g_s, barrier=qk_full[0])
+                if l2norm:
+                    T.tma_copy(rq[it, ih, 0:BT], rq_s, barrier=qk_full[0])
             arrive_once(qk_full, 0)
         else:
             T.copy(q[it * BT : (it + 1) * BT, ih, c0 : c0 + BK], q_s)
             T.copy(k[it * BT : (it + 1) * BT, ih, c0 : c0 + BK], k_s)
-        T.copy(g[it * BT : (it + 1) * BT, ihv], g_s, disable_tma=True)
-        if l2norm:
-            T.copy(rq[it * BT : (it + 1) * BT, ih], rq_s, disable_tma=True)
+        if not g_rows:
+            T.copy(g[it * BT : (it + 1) * BT, ihv], g_s, disable_tma=True)
+            if l2norm:
+                T.copy(rq[it * BT : (it + 1) * BT, ih], rq_s, disable_tma=True)
         if tma_qk:
             T.barrier_wait(qk_full[0], 0)
         for i in T.Parallel(1):
@@ -347,11 +357,11 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             q: T.Tensor((L, H, K), dtype),
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, heads, V), dtype),
-            g: T.Tensor((L, heads), acc),
+            g: T.Tensor(gshape, acc),
             h: T.Tensor((NT, heads, K, V), dtype),
             do: T.Tensor((L, heads, V), dtype),
             dh: T.Tensor((NT, heads, K, V), dtype),
-            rq: T.Tensor((L, H), acc),
+            rq: T.Tensor(rshape, acc),
             scale: T.float32,
             dq: T.Tensor((L, heads, K), dtype),
             dk: T.Tensor((L, heads, K), dtype),
@@ -367,7 +377,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             q: T.Tensor((L, H, K), dtype),
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, heads, V), dtype),
-            g: T.Tensor((L, heads), acc),
+            g: T.Tensor(gshape, acc),
             h: T.Tensor((NT, heads, K, V), dtype),
             do: T.Tensor((L, heads, V), dtype),
             dh: T.Tensor((NT, heads, K, V), dtype),
@@ -390,11 +400,11 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             q: T.Tensor((L, H, K), dtype),
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, heads, V), dtype),
-            g: T.Tensor((L, heads), acc),
+            g: T.Tensor(gshape, acc),
             h: T.Tensor((NT, heads, K, V), dtype),
             do: T.Tensor((L, heads, V), dtype),
             dh: T.Tensor((NT, heads, K, V), dtype),
-            rq: T.Tensor((L, H), acc),
+            rq: T.Tensor(rshape, acc),
             scale: T.float32,
             dq: T.Tensor((L, heads, K), dtype),
             dk: T.Tensor((L, heads, K), dtype),
@@ -411,7 +421,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
             q: T.Tensor((L, H, K), dtype),
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, heads, V), dtype),
-            g: T.Tensor((L, heads), acc),
+            g: T.Tensor(gshape, acc),
             h: T.Tensor((NT, heads, K, V), dtype),
             do: T.Tensor((L, heads, V), dtype),
             dh: T.Tensor((NT, heads, K, V), dtype),
