@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). In the twenty-eighth session (2026-12-05): the backward's consumer with G (and the delta
-# rules' 1 / |q|) as per-chunk rows by TMA beside q and k (`x_dqkvg_rows`, simple GLA; `x_dqkvg_l2_rows`, the delta
-# rules; K = 64, 128) against the dispatched programs and timed beside them, then both ops with them in place (the
-# GPU tests also check the WY VJP's rows, dispatched this session):
+# session for what is owed). After the twenty-eighth session (2026-12-05): `wy_t_l2` dispatched with G and beta as rows
+# (`g_rows`) at its last call, so its fp16 build and the test harness's change for `x_wy_t_l2_scan` (G's columns from
+# the rows the dispatched program takes) have not run on a GPU yet; then Nsight Compute of the three programs that
+# took rows this session, for what bounds them now (all latency-bound at 12 % occupancy before):
 #
-#   B=fla_delta_bwd_bf16_k128_v128_c64; S=fla_simple_gla_bwd_bf16_k128_v128_c64; B6=fla_delta_bwd_bf16_k64_v64_c64; S6=fla_simple_gla_bwd_bf16_k64_v64_c64
-#   PROGS="${B}_dqkvg_l2 ${B}_x_dqkvg_l2_rows ${S}_dqkvg ${S}_x_dqkvg_rows" PROGS2="${B6}_dqkvg_l2 ${B6}_x_dqkvg_l2_rows ${S6}_dqkvg ${S6}_x_dqkvg_rows" \
-#     bash benchmarks/pending_call.sh prep
-#   OUT=$OUT TT=240 SEL="matches_float64 or experimental_programs" PROGS=... SHAPES="4x4096x16x128 2x8192x16x128" \
-#     PROGS2=... SHAPES2=8x2048x16x64 MEMCHECK=4x4096x16x128 BENCH=1 OPS=simple_gla,gdn BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64 \
-#     ALTS="rows=simple_gla.bwd.dqkvg=x_dqkvg_rows,delta.bwd.dqkvg_l2=x_dqkvg_l2_rows" ROUNDS=3 TB=240 bash benchmarks/pending_call.sh
-#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~330 s of wall time)
+#   B=fla_delta_bwd_bf16_k128_v128_c64; F=fla_delta_fwd_bf16_k128_v128_c64
+#   PROGS="${F}_wy_t_l2 ${B}_dqkvg_l2 ${B}_wy_bwd_l2" bash benchmarks/pending_call.sh prep
+#   OUT=$OUT TT=300 SEL="matches_float64 or experimental_programs or without_initial_state" PROGS=... NCU="$PROGS" \
+#     BENCH=1 ALTS= OPS=gdn,delta_rule,simple_gla BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64,4x4096x8x256 ROUNDS=3 \
+#     TB=400 bash benchmarks/pending_call.sh
+#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~500 s of wall time)
 #
 # The standing check after any kernel or glue change, with the ops timed beside jla at every issue shape:
 #

@@ -396,13 +396,17 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         tm = (jax.ShapeDtypeStruct((NT, HV, C, C), jnp.float32),) if store_h else ()
         # (`g_scan`: from the gates per step, and G and its rows among its results)
         sum_shapes = (_like(graw), jax.ShapeDtypeStruct((NT, HV, C), jnp.float32)) if wy_scan else ()
-        wy_target = _targets(p, "fwd", K, V)[_wy_name(store_h, l2norm)]
+        wy_name = _wy_name(store_h, l2norm)
+        wy_target = _targets(p, "fwd", K, V)[wy_name]
+        gates = (graw, flat[4]) if wy_scan else (Gf, flat[4])
+        if _config(p, "fwd", K, wy_name).get("g_rows"):  # G and beta as per-chunk rows (G's also for the passes after it)
+            grows = _gate_rows(Gf, C)
+            gates = (grows, _gate_rows(flat[4], C))
         if l2norm:  # (`wy_t_l2`) from the raw q and k; their normalised y and 1 / |x| for the passes after it
             r = jax.ShapeDtypeStruct(qf.shape[:2], jnp.float32)
-            wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, _like(qf), _like(kf), r, r, *sum_shapes), qf, kf, vf,
-                       graw if wy_scan else Gf, flat[4])
+            wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, _like(qf), _like(kf), r, r, *sum_shapes), qf, kf, vf, *gates)
         else:
-            wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, *sum_shapes), kf, vf, graw if wy_scan else Gf, flat[4])
+            wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, *sum_shapes), kf, vf, *gates)
         if wy_scan:
             wy, (Gf, grows) = wy[:-2], wy[-2:]
         if l2norm:

@@ -137,8 +137,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"), config=(("store_t", True),)),
         # and under a gradient with use_qk_l2norm_in_kernel (at K <= 128) from the raw q and k: r = 1 / |x| read off
         # the diagonals of K K^T and Q Q^T, the normalised y = x r and r written for the passes after it (no `norm`)
+        # with G and beta as per-chunk rows by TMA with k (`g_rows`, since the twenty-eighth session; G's rows formed before
+        # it, for it, the state pass and the backward): 0.2255 / 0.2269 / 0.1521 ms against 0.2378 / 0.2385 / 0.1584 at
+        # 4,4096,16,128 / 2,8192,16,128 / 8,2048,16,64 (bf16, H100, 2026-12-05, ten launches a sample, interleaved; the
+        # same bits), GDN's training step 0.997x / 0.987x / 0.978x
         Program(name="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t", "yq", "yk", "rq", "rk"),
-                config=WY_T_L2, dims=(64, 128)),
+                config=(*WY_T_L2, *G_ROWS), dims=(64, 128)),
         Program(name="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"), config=ROW_FACTORS),
         # (at K <= 128 with G as per-chunk rows `[NT, HV, C]`, loaded by TMA with the stage: `G_ROWS`; and
         # warpgroup 0's exp(G_C - G) once per row)
@@ -318,6 +322,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # each thread (the default before); T stored by TMA; the state pass in one
     # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
+        # the training WY kernel with G and beta as columns loaded by each thread (dispatched before the twenty-eighth session)
+        Program(name="x_wy_t_l2_cols", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy",
+                outputs=("w", "u", "t", "yq", "yk", "rq", "rk"), config=WY_T_L2),
         Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
                 config=(*WY_T_L2, *G_SCAN)),
         Program(name="x_inv_scan", of="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV, *G_SCAN)),

@@ -391,8 +391,9 @@ def _wy(k, v, G, beta):
 
 
 def delta_wy_t(k, v, G, beta):
-    """kernels/delta/wy.py `chunk_delta_wy(store_t=True)`: w, u (input dtype), T (float32)."""
-    w, u, Tm = _wy(jnp.repeat(k, v.shape[1] // k.shape[1], axis=1), v, G, beta)
+    """kernels/delta/wy.py `chunk_delta_wy(store_t=True)`: w, u (input dtype), T (float32); G and beta
+    `[L, HV]`, or with `g_rows` per-chunk rows."""
+    w, u, Tm = _wy(jnp.repeat(k, v.shape[1] // k.shape[1], axis=1), v, _gate_columns(G), _gate_columns(beta))
     return w.astype(k.dtype), u.astype(k.dtype), Tm
 
 

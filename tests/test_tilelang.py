@@ -385,6 +385,8 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
             return (t0, jax.ShapeDtypeStruct((NT, H, 4, 64), jnp.float32)), (q, k, gates, beta), {}
         tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
         sums = (like(G), jax.ShapeDtypeStruct((NT, H, 64), jnp.float32)) if takes_steps() else ()  # (and G, its rows)
+        if tilelang_backend._config(prob, "fwd", D, name).get("g_rows"):  # (G and beta as per-chunk rows)
+            gates, beta = per_chunk(G), per_chunk(beta)
         return (like(k), like(v), tm, like(q), like(k), r, r, *sums), (q, k, v, gates, beta), {}
     if op in ("simple_gla", "delta") and name in ("dqkvg", "dqkvg_l2"):  # the consumer (the delta rules': on v_new, k unit rows)
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
@@ -430,8 +432,8 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
         results2, args2 = _program_inputs(op, main.name, variants.DTYPES[dt], K)[:2]
     run = lambda p, r, a: jax.jit(lambda *a: tilelang_backend._call(variant.target(p), r, *a, **attrs))(*a)
     want = run(main, results, args)
-    if len(results2) > len(results):  # G (the main program's input) and its rows [NT, H, 64]
-        G = args[3]
+    if len(results2) > len(results):  # G (the main program's input, as columns) and its rows [NT, H, 64]
+        G = args[3] if args[3].ndim == 2 else jnp.moveaxis(args[3], 2, 1).reshape(-1, args[3].shape[1])
         want = (*want, G, jnp.moveaxis(G.reshape(-1, 64, G.shape[1]), 1, 2))
     if dict(prog.config).get("dg_sum"):  # the WY VJP adding the consumer's dG (after dk0) and summing to the end of the chunk
         dg0 = jnp.asarray(np.random.default_rng(7).standard_normal(args2[2].shape), jnp.float32)  # ([L, HV]: it takes G's columns)
@@ -849,9 +851,10 @@ def _gdn_custom_calls(K: int, allowed, *, l2norm: bool, modules: bool = False):
 @pytest.mark.parametrize("K", [64, 128, 256])
 def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
     """GDN under value_and_grad (use_qk_l2norm_in_kernel), exported for CUDA: XLA transposes G to
-    per-chunk rows once, in the forward, where the passes take rows (K <= 128; the backward's
-    reverse pass, consumer and WY VJP read the rows the forward kept, `_stores_gate_rows`), and
-    1 / |q| for the consumer, beta and 1 / |k| for the WY VJP in the backward; with the gate-summing
+    per-chunk rows once, in the forward, where the passes take rows (K <= 128: the WY kernel, the
+    state pass; the backward's reverse pass, consumer and WY VJP read the rows the forward kept,
+    `_stores_gate_rows`), and beta for the WY kernel in the forward; 1 / |q| for the consumer,
+    beta and 1 / |k| for the WY VJP in the backward; with the gate-summing
     experiments in place (bf16) XLA sums nothing and transposes 1 / |q| alone: the training WY
     kernel writes G and its rows, the WY VJP returns the gates' gradient per step (and takes
     columns; at K = 256 the WY kernel then normalises q and k too, in place of the `norm` passes)."""
@@ -862,7 +865,7 @@ def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
     allowed = [v.target(p) for v in variants.VARIANTS for p in v.programs]
     _, step = _gdn_custom_calls(K, allowed, l2norm=True, modules=True)
     kernels = re.findall(r"custom_call @fla_delta_\w+_c64_(\w+)", step)
-    assert step.count("stablehlo.transpose") == (0 if K > 128 else 1 if scan else 4), kernels
+    assert step.count("stablehlo.transpose") == (0 if K > 128 else 1 if scan else 5), kernels
     assert ("@cumsum" in step) == (not scan), kernels
     if scan:
         assert {"x_wy_t_l2_scan", "x_wy_bwd_l2_sum"} <= set(kernels) and "norm" not in kernels, kernels

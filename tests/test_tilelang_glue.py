@@ -226,24 +226,29 @@ WY_ROWS_CASES = [*DELTA_CASES[:3], Case("gated_delta_rule", 2, 130, 2, 128, 128,
 
 @pytest.mark.parametrize("case", WY_ROWS_CASES, ids=str)
 def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
-    """The delta rules' consumer (`dqkvg_l2`; `dqkvg` without use_qk_l2norm_in_kernel) and WY VJP
-    (`wy_bwd_l2`, `wy_bwd`) at K <= 128 taking G, beta and the norms' 1 / |q|, 1 / |k| as per-chunk
-    rows by TMA: G's the rows the forward kept (`_stores_gate_rows`: XLA transposes G once, in the
-    forward; beta and r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`; every gradient
-    against float64 (emulated; the kernels' own check is the GPU tests, the columns' programs
-    `x_dqkvg_l2_cols`, `x_wy_bwd_l2_cols` beside them)."""
+    """The delta rules' training WY kernel (`wy_t_l2`, use_qk_l2norm_in_kernel), consumer (`dqkvg_l2`;
+    `dqkvg` without) and WY VJP (`wy_bwd_l2`, `wy_bwd`) at K <= 128 taking G, beta and the norms'
+    1 / |q|, 1 / |k| as per-chunk rows by TMA: G's the rows the forward formed for its WY kernel and
+    kept (`_stores_gate_rows`: XLA transposes G once, in the forward; beta in the forward for the WY
+    kernel and again in the backward, r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`;
+    every gradient against float64 (emulated; the kernels' own check is the GPU tests, the columns'
+    programs `x_wy_t_l2_cols`, `x_dqkvg_l2_cols`, `x_wy_bwd_l2_cols` beside them)."""
     consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if case.l2norm else ("dqkvg", "wy_bwd")
     # (the consumer's G and 1 / |q|, after q, k, v_new, G, h, do, dh; the WY VJP's G, beta and 1 / |k|, after dk0)
     picks = {consumer: lambda a: (a[3], *a[7 : 7 + case.l2norm]), wy: lambda a: (a[2], a[3], *a[8 : 8 + case.l2norm])}
+    if case.l2norm:  # (the WY kernel's G and beta, after q, k, v)
+        picks["wy_t_l2"] = lambda a: (a[3], a[4])
     calls, transposed = _watch_rows(monkeypatch, lambda n, args: tuple(a.shape for a in picks[n](args)) if n in picks else None)
     errs = errors_against_float64(case, 47)
     HV = case.HV or case.H
     # G's rows once, in the forward under the gradient (the one with none starts from the inverse, which
-    # writes its own rows); beta's and both r's in the backward
-    assert sorted(s[1] for s in transposed) == sorted([HV, HV] + [case.H, case.H] * case.l2norm), transposed
+    # writes its own rows); beta's there for the WY kernel (use_qk_l2norm_in_kernel), and in the backward
+    # with both r's
+    assert sorted(s[1] for s in transposed) == sorted([HV, HV] + [HV, case.H, case.H] * case.l2norm), transposed
     NT = transposed[0][0] // 64
     rs = ((NT, case.H, 64),) * case.l2norm
-    assert calls == {consumer: [((NT, HV, 64), *rs)], wy: [((NT, HV, 64), (NT, HV, 64), *rs)]}, calls
+    want = {consumer: [((NT, HV, 64), *rs)], wy: [((NT, HV, 64), (NT, HV, 64), *rs)]}
+    assert calls == want | ({"wy_t_l2": [((NT, HV, 64), (NT, HV, 64))]} if case.l2norm else {}), calls
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
     assert all(e <= tol for e in errs.values()), errs
 

@@ -41,7 +41,7 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                    blocked: bool | None = None, merged: bool = False, tma_t: bool = False,
                    late_v: bool | None = None, warp_diagonal: bool = True, tma_loads: bool = True,
                    tma_stores: bool = True, inverse_only: bool = False, l2norm: bool = False, gate_rows: bool = False,
-                   pad_rows: bool | None = None, min_blocks: int = 0, g_scan: bool = False):
+                   pad_rows: bool | None = None, min_blocks: int = 0, g_scan: bool = False, g_rows: bool = False):
     """`blocked`: invert by 16 x 16 blocks (diagonal blocks by substitution, all four at once, then
     one block row at a time: `T_IJ = -T_II sum_K A_IK T_KJ`) instead of row by row; the default
     where it is written for (BT = 64, 128 threads): 0.464 against 0.528 ms at 4,4096,16,128 bf16 on
@@ -106,7 +106,9 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     `min_blocks`: `__launch_bounds__`' programs a multiprocessor (ptxas keeps the registers to that
     many; 0: TileLang's default, 1). The inverse alone takes 96 registers a thread, five programs an
     SM, where its shared memory would fit eight (K = 64, 26.6 KB) or six (`inv_l2` at K = 128,
-    33.3 KB); at 64 / 80 registers ptxas spills 32 / 52 bytes."""
+    33.3 KB); at 64 / 80 registers ptxas spills 32 / 52 bytes.
+    `g_rows` (w and u, with `tma_loads`; not `g_scan`): G and beta as per-chunk rows `[NT, HV, BT]`,
+    loaded by TMA with k, not each chunk's columns by each thread (as `chunk_delta_wy_bwd(g_rows=True)`)."""
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
     acc = "float32"
     threads = threads or (128 if inverse_only or max(K, V) <= 128 else 256)
@@ -128,6 +130,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     assert not normalise or store_t, "l2norm without inverse_only is written for store_t (the training forward)"
     assert not gate_rows or inverse_only, "gate_rows is written for the inverse alone"
     assert not g_scan or gate_rows or store_t, "g_scan is written for gate_rows (the inverse) and store_t"
+    assert not g_rows or (tma_loads and not inverse_only and not g_scan), "g_rows is written for w and u, by TMA, without g_scan"
+    gshape = (NT, HV, BT) if g_rows else (L, HV)  # G and beta
     pad_rows = not tma_t if pad_rows is None else pad_rows
     assert not (pad_rows and tma_t), "a TMA store of T reads its shared tile whole: no padded rows"
     pad = 8 if pad_rows else 0  # floats after each row of the float32 A / T tile
@@ -299,6 +303,9 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 kv_full = T.alloc_barrier([1, 1, 1] if normalise else [1, 1])
                 qb = 2 if normalise else 1  # q's barrier
                 T.tma_copy(k[t0 : t0 + BT, ih, 0:K], k_s, barrier=kv_full[0])
+                if g_rows:  # (first read after kv_full[0]'s wait)
+                    T.tma_copy(g[ic, ihv, 0:BT], g_s, barrier=kv_full[0])
+                    T.tma_copy(beta[ic, ihv, 0:BT], b_s, barrier=kv_full[0])
                 arrive_once(kv_full, 0)
                 if not late_v and not inverse_only:
                     T.tma_copy(v[t0 : t0 + BT, ihv, 0:V], v_s, barrier=kv_full[1])
@@ -315,9 +322,10 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 for a in T.Parallel(BT):
                     gs[t0 + a, ihv] = g_s[a]
                     grows[ic, ihv, a] = g_s[a]
-            elif not inverse_only:
+            elif not inverse_only and not g_rows:
                 T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
-            T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
+            if not g_rows:
+                T.copy(beta[t0 : t0 + BT, ihv], b_s, disable_tma=True)
             if gate_rows and g_scan:  # G (summed here) and beta as rows of gr
                 scan_store(ga, gr, (ic, ihv, 0))
                 for a in T.Parallel(BT):
@@ -509,8 +517,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
             q: T.Tensor((L, H, K), dtype),
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
+            beta: T.Tensor(gshape, acc),
             w: T.Tensor((L, HV, K), dtype),
             u: T.Tensor((L, HV, V), dtype),
             t: T.Tensor((NT, HV, BT, BT), acc),
@@ -543,8 +551,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
         def main(
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
+            beta: T.Tensor(gshape, acc),
             w: T.Tensor((L, HV, K), dtype),
             u: T.Tensor((L, HV, V), dtype),
             t: T.Tensor((NT, HV, BT, BT), acc),
@@ -557,8 +565,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
         def main(
             k: T.Tensor((L, H, K), dtype),
             v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
+            g: T.Tensor(gshape, acc),
+            beta: T.Tensor(gshape, acc),
             w: T.Tensor((L, HV, K), dtype),
             u: T.Tensor((L, HV, V), dtype),
         ):
