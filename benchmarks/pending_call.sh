@@ -22,7 +22,7 @@
 # the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target name (OLD=dir
 # copies in a previous build's cubins as old_*), NCU profiles them, NCUOP ("op:BxTxHxD ...") each
 # implementation's forward kernels with clocks as run, PROFILE lists an op's kernels and XLA's glue (PIMPLS: of which implementations),
-# MEMCHECK=BxTxHx128 runs every prepared program under compute-sanitizer memcheck (PROGS=... prep first; ~1 s a program).
+# (PROFILE takes bench.py's op names: gdn, delta, simple_gla.) MEMCHECK=BxTxHx128 runs every prepared program under compute-sanitizer memcheck (PROGS=... prep first; ~1 s a program).
 # Two halves:
 #
 #   bash benchmarks/pending_call.sh prep      # here, after build.py: the cubins it times into .prof/gen

@@ -17,7 +17,7 @@ import pathlib
 import tempfile
 
 import jax
-from bench import jax_step
+from bench import ALIASES, jax_step
 
 
 def device_events(path: pathlib.Path):
@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--fwd", action="store_true", help="the forward alone (default: the training step)")
     args = ap.parse_args()
     shape = tuple(int(n) for n in args.shape.split("x"))
-    fwd, step, a = jax_step(args.impl, args.op, shape)
+    fwd, step, a = jax_step(args.impl, ALIASES.get(args.op, args.op), shape)  # (bench.py's names too: gdn, delta)
     f = fwd if args.fwd else step
     for _ in range(3):
         jax.block_until_ready(f(*a))
