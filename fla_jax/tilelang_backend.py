@@ -309,6 +309,12 @@ def _gates_for(p: Problem, direction: str, K: int, name: str, G, C: int, rows=No
     return _gate_rows(G, C) if rows is None else rows
 
 
+def _steps_for(p: Problem, direction: str, K: int, name: str, C: int, *xs):
+    """Per-step `[L, H]` arrays beside G (beta, `1 / |x|`) as program `name` takes them: as they
+    are, or per-chunk rows `[NT, H, C]` where it loads G's by TMA (`g_rows`, `_gates_for`)."""
+    return tuple(_gate_rows(x, C) for x in xs) if _config(p, direction, K, name).get("g_rows") else xs
+
+
 def _value_parts(p: Problem, K: int, V: int) -> int:
     """In how many float32 parts the backward's consumer writes what sums over the key channels:
     1 (dv in the input dtype), or K / BK where it splits the key channels over programs (dv as
@@ -398,10 +404,9 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         sum_shapes = (_like(graw), jax.ShapeDtypeStruct((NT, HV, C), jnp.float32)) if wy_scan else ()
         wy_name = _wy_name(store_h, l2norm)
         wy_target = _targets(p, "fwd", K, V)[wy_name]
-        gates = (graw, flat[4]) if wy_scan else (Gf, flat[4])
-        if _config(p, "fwd", K, wy_name).get("g_rows"):  # G and beta as per-chunk rows (G's also for the passes after it)
+        if _config(p, "fwd", K, wy_name).get("g_rows"):  # G's rows, also for the passes after it
             grows = _gate_rows(Gf, C)
-            gates = (grows, _gate_rows(flat[4], C))
+        gates = (graw if wy_scan else _gates_for(p, "fwd", K, wy_name, Gf, C, grows), *_steps_for(p, "fwd", K, wy_name, C, flat[4]))
         if l2norm:  # (`wy_t_l2`) from the raw q and k; their normalised y and 1 / |x| for the passes after it
             r = jax.ShapeDtypeStruct(qf.shape[:2], jnp.float32)
             wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, _like(qf), _like(kf), r, r, *sum_shapes), qf, kf, vf, *gates)
@@ -559,9 +564,7 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     k_norm = l2norm and norm_fused and fused and wy_kernel
     if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, less dv (du)
         name, rqs = ("dqkvg_l2", (rq,)) if q_norm else ("dqkvg", ())
-        if _config(p, "bwd", K, name).get("g_rows"):  # G and r as per-chunk rows (G's as the forward kept them)
-            rqs = tuple(_gate_rows(r, C) for r in rqs)
-        gates = _gates_for(p, "bwd", K, name, Gf, C, grows)
+        rqs, gates = _steps_for(p, "bwd", K, name, C, *rqs), _gates_for(p, "bwd", K, name, Gf, C, grows)
         dq, dkv, dG = _consumer(p, bwd[name], (heads(qf), heads(kf), _like(Gf)), qf, kf, vn, gates, hf, dof, dh, *rqs, scale=s)
         dq, dk = group_sum(dq), 0.0  # dk per value head (dkv) goes on to the WY VJP
     else:
@@ -573,9 +576,8 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         outs = (heads(kf), _like(vf), _like(Gf), _like(Gf))
         name, rks = ("wy_bwd_l2", (rk,)) if k_norm else ("wy_bwd", ())
         summed = _config(p, "bwd", K, name).get("dg_sum", False)  # (then it takes the consumer's dG, and adds it)
-        sums = (Gf, flat[4])
-        if _config(p, "bwd", K, name).get("g_rows"):  # G, beta and r as per-chunk rows (G's as the forward kept them)
-            sums, rks = (_gates_for(p, "bwd", K, name, Gf, C, grows), _gate_rows(flat[4], C)), tuple(_gate_rows(r, C) for r in rks)
+        # G, beta (and r) as it takes them (G's rows as the forward kept them)
+        sums, rks = (_gates_for(p, "bwd", K, name, Gf, C, grows), *_steps_for(p, "bwd", K, name, C, flat[4])), _steps_for(p, "bwd", K, name, C, *rks)
         dk2, dv, dG2, dbeta = _call(bwd[name], outs, kf, vf, *sums, Tm, hf, du.astype(kf.dtype), dkv, *((dG,) if summed else ()), *rks)
         dk2 = group_sum(dk2)
     else:

@@ -13,6 +13,7 @@ import pytest
 import fla_jax
 from cases import DELTA_BWD_MODES, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, errors_against_float64, reference_grads
+import kernel_emulator
 from fla_jax import _problem, tilelang_backend
 from kernels import variants
 
@@ -385,16 +386,15 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
             return (t0, jax.ShapeDtypeStruct((NT, H, 4, 64), jnp.float32)), (q, k, gates, beta), {}
         tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
         sums = (like(G), jax.ShapeDtypeStruct((NT, H, 64), jnp.float32)) if takes_steps() else ()  # (and G, its rows)
-        if tilelang_backend._config(prob, "fwd", D, name).get("g_rows"):  # (G and beta as per-chunk rows)
-            gates, beta = per_chunk(G), per_chunk(beta)
+        if not takes_steps():  # (G and beta as per-chunk rows where it loads them so)
+            gates, beta = gates_for("fwd"), *tilelang_backend._steps_for(prob, "fwd", D, name, 64, beta)
         return (like(k), like(v), tm, like(q), like(k), r, r, *sums), (q, k, v, gates, beta), {}
     if op in ("simple_gla", "delta") and name in ("dqkvg", "dqkvg_l2"):  # the consumer (the delta rules': on v_new, k unit rows)
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         k = unit(k) if op == "delta" else k
         dv = () if op == "delta" else (like(v),)  # (the delta rules' reverse pass stores it)
         rq = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "dqkvg_l2" else ()  # (q the normalised y)
-        if tilelang_backend._config(prob, "bwd", D, name).get("g_rows"):  # (G and r as per-chunk rows)
-            rq = tuple(per_chunk(r) for r in rq)
+        rq = tilelang_backend._steps_for(prob, "bwd", D, name, 64, *rq)  # (G and r as per-chunk rows where it loads them so)
         return (like(q), like(k), *dv, like(G)), (q, k, v, gates_for("bwd"), h, do, dh, *rq), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy_bwd", "wy_bwd_l2"):  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
@@ -402,9 +402,8 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
         rk = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "wy_bwd_l2" else ()  # (k the normalised y)
-        sums = (G, beta)
-        if tilelang_backend._config(prob, "bwd", D, name).get("g_rows"):  # (G, beta and r as per-chunk rows)
-            sums, rk = (gates_for("bwd"), per_chunk(beta)), tuple(per_chunk(r) for r in rk)
+        # (G, beta and r as per-chunk rows where it loads them so)
+        sums, rk = (gates_for("bwd"), *tilelang_backend._steps_for(prob, "bwd", D, name, 64, beta)), tilelang_backend._steps_for(prob, "bwd", D, name, 64, *rk)
         return (like(k), like(v), like(G), like(G)), (k, v, *sums, t, h, du, dk0, *rk), {}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")
 
@@ -433,7 +432,7 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     run = lambda p, r, a: jax.jit(lambda *a: tilelang_backend._call(variant.target(p), r, *a, **attrs))(*a)
     want = run(main, results, args)
     if len(results2) > len(results):  # G (the main program's input, as columns) and its rows [NT, H, 64]
-        G = args[3] if args[3].ndim == 2 else jnp.moveaxis(args[3], 2, 1).reshape(-1, args[3].shape[1])
+        G = kernel_emulator._gate_columns(args[3])
         want = (*want, G, jnp.moveaxis(G.reshape(-1, 64, G.shape[1]), 1, 2))
     if dict(prog.config).get("dg_sum"):  # the WY VJP adding the consumer's dG (after dk0) and summing to the end of the chunk
         dg0 = jnp.asarray(np.random.default_rng(7).standard_normal(args2[2].shape), jnp.float32)  # ([L, HV]: it takes G's columns)
