@@ -165,20 +165,33 @@ def _override(item: str, option: str):
 @contextlib.contextmanager
 def _alternative(spec: str):
     """The tilelang backend's switches and experiment overrides as `spec` sets them while the
-    functions trace: comma-separated `xla-zeros` (ZERO_ROW_H0, ZERO_ROW_DHT off) and
+    functions trace: comma-separated `xla-zeros` (ZERO_ROW_H0, ZERO_ROW_DHT off), `+SWITCH` / `-SWITCH`
+    (a boolean switch of the backend on or off, or one of head dims at all or none, e.g.
+    `-DELTA_GRADS_KERNEL`) and
     `op.direction.program=experiment` entries."""
     from fla_jax import tilelang_backend as tb
+    from kernels import variants
 
     saved = (tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT, dict(tb.EXPERIMENT_OVERRIDES))
+    switches = {}
     try:
         for item in filter(None, spec.split(",")):
             if item == "xla-zeros":
                 tb.ZERO_ROW_H0 = tb.ZERO_ROW_DHT = False
+            elif item[0] in "+-":  # (a switch of head dims: all of them, or none)
+                value = getattr(tb, item[1:], None)
+                if not isinstance(value, (bool, tuple)):
+                    raise ValueError(f"--alt: {item[1:]!r} is not a boolean or head-dims switch of fla_jax.tilelang_backend")
+                switches.setdefault(item[1:], value)
+                on = item[0] == "+"
+                setattr(tb, item[1:], on if isinstance(value, bool) else tuple(variants.HEAD_DIMS) if on else ())
             else:
                 key, name = _override(item, "--alt (or xla-zeros)")
                 tb.EXPERIMENT_OVERRIDES[key] = name
         yield
     finally:
+        for name, value in switches.items():
+            setattr(tb, name, value)
         tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT = saved[:2]
         tb.EXPERIMENT_OVERRIDES.clear()
         tb.EXPERIMENT_OVERRIDES.update(saved[2])
@@ -270,7 +283,7 @@ def main(argv=None):
                     help="tilelang: XLA's zero states for the passes where a call has no initial state or the loss takes no final "
                          "state (ZERO_ROW_H0, ZERO_ROW_DHT off; by default the passes get no rows and start from zeros)")
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
-                    help="tilelang configured otherwise (comma-separated xla-zeros, op.direction.program=experiment), timed "
+                    help="tilelang configured otherwise (comma-separated xla-zeros, +SWITCH / -SWITCH, op.direction.program=experiment), timed "
                          "in the same process as the implementation fla_jax:tilelang@NAME (name it in --impls)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="> 1: the JAX implementations of each op and shape timed in turn this many times (fla apart)")

@@ -107,6 +107,11 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         if D <= 128:
             calls["dqkvg_l2"] = ((like(q), like(k), split(G)), (q, k, v, G, h, do, h, r), {"scale": s})
         calls["wy_bwd_l2"] = ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k, r), {})
+        if D <= 128:  # the consumer and the WY VJP in one program (G, beta and r as per-chunk rows; u standing in for du)
+            grads = (like(q), like(k), like(v), col32, col32)
+            rows_of = lambda *a: tuple(tb._gate_rows(x, 64) for x in a)
+            calls["grads"] = (grads, (q, k, v, v, *rows_of(G, beta), Tm, h, do, h, u), {"scale": s})
+            calls["grads_l2"] = (grads, (q, k, v, v, *rows_of(G, beta), Tm, h, do, h, u, *rows_of(r, r)), {"scale": s})
         # the state passes from the inverse in V blocks of 32 take their V-64 twins' inputs
         calls |= {f"{n}_v32": calls[n] for n in ("fused_t", "fused_t_l2") if n in calls}
         f32 = lambda a: a.astype(jnp.float32)

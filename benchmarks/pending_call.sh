@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). After the twenty-eighth session (2026-12-05): `wy_t_l2` dispatched with G and beta as rows
-# (`g_rows`) at its last call, so its fp16 build and the test harness's change for `x_wy_t_l2_scan` (G's columns from
-# the rows the dispatched program takes) have not run on a GPU yet; then Nsight Compute of the three programs that
-# took rows this session, for what bounds them now (all latency-bound at 12 % occupancy before):
+# session for what is owed). After the twenty-ninth session (2026-12-05): the delta rules' consumer and WY VJP in one
+# program (`grads`, `grads_l2`, dispatched at K = 128) with `late_cols` (measured as the experiment x_grads_l2_cols,
+# taken; its K = 64 and fp16 builds and `grads` with it first run in the session's last call if it ran, see RESULTS.md),
+# then Nsight Compute of `grads_l2` for what bounds it (one program per SM; a persistent program overlapping a chunk's
+# loads with the previous chunk's products is the lead):
 #
-#   B=fla_delta_bwd_bf16_k128_v128_c64; F=fla_delta_fwd_bf16_k128_v128_c64
-#   PROGS="${F}_wy_t_l2 ${B}_dqkvg_l2 ${B}_wy_bwd_l2" bash benchmarks/pending_call.sh prep
-#   OUT=$OUT TT=300 SEL="matches_float64 or experimental_programs or without_initial_state" PROGS=... NCU="$PROGS" \
-#     BENCH=1 ALTS= OPS=gdn,delta_rule,simple_gla BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64,4x4096x8x256 ROUNDS=3 \
-#     TB=400 bash benchmarks/pending_call.sh
-#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~500 s of wall time)
+#   B=fla_delta_bwd_bf16_k128_v128_c64
+#   PROGS="${B}_grads_l2 ${B}_x_grads_l2_xt ${B}_dqkvg_l2 ${B}_wy_bwd_l2" bash benchmarks/pending_call.sh prep
+#   OUT=$OUT FIRST="${B}_grads_l2" TT=200 SEL="delta and matches_float64 or experimental_programs and delta or grads" \
+#     PROGS=... NCU="${B}_grads_l2" BENCH=1 ALTS="two=-DELTA_GRADS_KERNEL" OPS=gdn,delta_rule \
+#     BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64 ROUNDS=3 TB=300 bash benchmarks/pending_call.sh
+#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~450 s of wall time)
 #
 # The standing check after any kernel or glue change, with the ops timed beside jla at every issue shape:
 #
 #   OUT=$OUT TT=300 SEL="matches_float64 or experimental_programs or without_initial_state" BENCH=1 ALTS= \
 #     OPS=simple_gla,gdn BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64,4x4096x8x256 ROUNDS=3 TB=300 bash benchmarks/pending_call.sh
 #   (carry .whl and fla_jax/_ext.abi3.so; ~170 s of tests, ~230 s of timing)
-# SEL picks the GPU tests; BENCH=1 times the ops beside jla with ALTS (`--alt` arguments) as extra
+# FIRST runs the programs named once each (prepared, PROGS) before the tests, 30 s at most each; SEL picks the GPU tests; BENCH=1 times the ops beside jla with ALTS (`--alt` arguments) as extra
 # columns, in turn ROUNDS times (default 5; `bench.py --rounds`, the ratio to ours beside each); NEW=1
 # the ops with the gate-sum experiments in place. PROGS / PROGS2 time programs by target name (OLD=dir
 # copies in a previous build's cubins as old_*), NCU profiles them, NCUOP ("op:BxTxHxD ...") each
@@ -48,6 +49,10 @@ O=${OUT:-/tmp/out}; mkdir -p "$O"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv,noheader
+for t in ${FIRST:-}; do  # programs run once each before the tests, a hang cut short (a new program's first run)
+  s=4x4096x16x128; case $t in *_k64_*) s=8x2048x16x64;; esac
+  echo "first $t: $(timeout 30 python3 benchmarks/ncu_program.py --gen .prof/gen --shape $s --reps 1 $t 2>&1 | grep -v "^#" | tail -2 | tr '\n' ' ')"
+done
 timeout "${TT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s \
   -k "${SEL:-matches_float64 or without_initial_state or scan or l2_sum or fused_rows or forward_split}" > "$O/gpu_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR| vs " "$O/gpu_tests.log" | head -30

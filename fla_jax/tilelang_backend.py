@@ -11,7 +11,8 @@ forward state pass reading them, and the backward as simple GLA's (reverse state
 fused consumer that also takes the reverse cumulative sum of dg), with gates per key channel. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
 reverse state-gradient pass (which also stores the gradient of v_new) as kernels, and the
 backward's chunk-parallel parts by two more kernels
-(switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`; switched off, JAX VJPs do them), and
+(switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`; switched off, JAX VJPs do them), at K = 128 by
+one (`DELTA_GRADS_KERNEL`), and
 `use_qk_l2norm_in_kernel` inside the kernels where `DELTA_L2NORM_FUSED` (the forward's inverse or
 WY kernel normalises q and k, the backward's consumer and WY VJP take its gradient), else by a
 normalisation kernel each way.
@@ -53,6 +54,17 @@ DELTA_FUSED_BWD = True
 # The WY preparation's VJP by a kernel (`kernels/delta/wy.py` `chunk_delta_wy_bwd`) instead of
 # `_wy_vjp` in XLA (1.71 ms against 0.54 at the same shape). Tests run both settings.
 DELTA_WY_BWD_KERNEL = True
+
+# The head dims at which the delta rules' consumer and WY VJP run as one program (`kernels/delta/grads.py`,
+# `grads` / `grads_l2`, built at K <= 128; with DELTA_FUSED_BWD and DELTA_WY_BWD_KERNEL): the chunk's
+# state h, k and the consumer's dk read or formed once (≈1000 MB against 1270 at 4,4096,16,128 bf16),
+# three warpgroups handing each other their products through shared memory, one program per SM.
+# `grads_l2` 0.3725 ms against `dqkvg_l2` + `wy_bwd_l2` 0.2822 + 0.3257 at 4,4096,16,128 (0.3724
+# against 0.2828 + 0.3255 at 2,8192,16,128), GDN's training step 1.315 -> 1.087 ms there (jla 1.305),
+# 1.477 -> 1.259 at 2,8192,16,128 (jla 1.525; bf16, H100, 2026-12-05). At K = 64 slower (0.2799 against
+# 0.1057 + 0.1630; the step 0.654 against 0.667), where the two programs share an SM three and two to one:
+# not there. Tests run both settings.
+DELTA_GRADS_KERNEL: tuple[int, ...] = (128,)
 
 # The delta rules' forward with no gradient (the `fwd` direction) from the gate-free inverse T0
 # (`chunk_delta_wy(inverse_only=True)`, program `inv`) and `chunk_delta_fwd_t` (`fused_t`), which
@@ -510,9 +522,11 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     gates' in-chunk sums G in place of the gates (but GLA's); with `l2norm` they hold the
     normalised q and k, `norms` their `1 / |x|` (`[B, T, H]` float32), and the gradients are the
     raw q's and k's. `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE (read by
-    `_forward`), DELTA_L2NORM_FUSED and the experiment overrides (read by `_targets` while this traces).
+    `_forward`), DELTA_L2NORM_FUSED and the experiment overrides (read by `_targets` while this traces),
+    last DELTA_GRADS_KERNEL.
     h0's gradient only where `has_h0`."""
     fused, wy_kernel, _, norm_fused = switches[:4]
+    grads_kernel = switches[-1]
     n = len(_token_layouts(p))
     m = n + 1 + len(_stored_layouts(p)) + (2 if l2norm else 0) + store_rows
     ct = 1 + has_dht  # (do, and dht where the loss takes the final state)
@@ -562,6 +576,17 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
     q_norm = l2norm and norm_fused and fused and "dqkvg_l2" in bwd
     k_norm = l2norm and norm_fused and fused and wy_kernel
+    name = "grads_l2" if q_norm and k_norm else "grads"
+    if K in grads_kernel and fused and wy_kernel and name in bwd:  # the consumer and the WY VJP in one program
+        gates, betas = _gates_for(p, "bwd", K, name, Gf, C, grows), _steps_for(p, "bwd", K, name, C, flat[4])
+        rs = _steps_for(p, "bwd", K, name, C, rq, rk) if name == "grads_l2" else ()
+        outs = (heads(qf), heads(kf), _like(vf), _like(Gf), _like(Gf))
+        dq, dk, dv, dG, dbeta = _call(bwd[name], outs, qf, kf, vf, vn, gates, *betas, Tm, hf, dof, dh, du, *rs, scale=s)
+        dq, dk = group_sum(dq), group_sum(dk)
+        if l2norm and name == "grads":
+            dq, dk = _norm_backward(p, qf, rq, dq.astype(qf.dtype)), _norm_backward(p, kf, rk, dk.astype(kf.dtype))
+        return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(_in_chunk_cumsum(dG, C, reverse=True), jnp.float32),
+                rows(dbeta, jnp.float32), *((dh0,) if has_h0 else ()))
     if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, less dv (du)
         name, rqs = ("dqkvg_l2", (rq,)) if q_norm else ("dqkvg", ())
         rqs, gates = _steps_for(p, "bwd", K, name, C, *rqs), _gates_for(p, "bwd", K, name, Gf, C, grows)
@@ -609,7 +634,7 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
     backward's arrays (`_stores_gate_rows`). `has_dht` (`bwd`): the final state's cotangent among
     the arrays (none where the loss takes no final state)."""
     switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())),
-                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0, ZERO_ROW_DHT)
+                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0, ZERO_ROW_DHT, DELTA_GRADS_KERNEL)
     return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, store_rows, has_dht, switches, VJP_PRECISION)
 
 

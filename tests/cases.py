@@ -129,6 +129,16 @@ def forward_outputs(case: Case, backend: str):
     return jax.jit(lambda diff: OPS[case.op](**diff, **static_kwargs(case), backend=backend))
 
 
-# The delta rules' tilelang backward, (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL): its chunk-parallel parts
-# as XLA VJPs, the per-chunk part by the consumer kernel, and the WY VJP by its kernel too.
-DELTA_BWD_MODES = {"xla_vjps": (False, False), "consumer_kernel": (True, False), "all_kernels": (True, True)}
+# The delta rules' tilelang backward, (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_GRADS_KERNEL): its
+# chunk-parallel parts as XLA VJPs, the per-chunk part by the consumer kernel, the WY VJP by its kernel
+# too, and the two in one program wherever it is built (K <= 128; elsewhere as all_kernels).
+DELTA_BWD_MODES = {"xla_vjps": (False, False, ()), "consumer_kernel": (True, False, ()), "all_kernels": (True, True, ()),
+                   "grads_kernel": (True, True, (64, 128))}
+
+
+def set_delta_bwd_mode(monkeypatch, mode: str):
+    """The switches of one of DELTA_BWD_MODES on `fla_jax.tilelang_backend`."""
+    from fla_jax import tilelang_backend
+
+    for name, on in zip(("DELTA_FUSED_BWD", "DELTA_WY_BWD_KERNEL", "DELTA_GRADS_KERNEL"), DELTA_BWD_MODES[mode]):
+        monkeypatch.setattr(tilelang_backend, name, on)

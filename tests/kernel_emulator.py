@@ -471,10 +471,34 @@ def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):
     return _l2norm_grad(k, _gate_columns(rk), dk).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
+def _grads(q, k, v, vn, G, beta, h, do, dh, du, *, scale):
+    """The consumer and the WY VJP in float32, the consumer's dk (and dq) unrounded between them."""
+    rep = lambda x: jnp.repeat(x, vn.shape[1] // x.shape[1], axis=1).astype(f32)
+    dq, dk0, _, dG0 = _bwd_dqkvg(rep(q), rep(k), vn, _gate_columns(G), h, do, dh, scale=scale, dv_dtype=f32)
+    dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
+    return dq, dk, dv, dG0 + dG, dbeta
+
+
+def delta_bwd_grads(q, k, v, vn, G, beta, Tm, h, do, dh, du, *, scale):
+    """kernels/delta/grads.py `chunk_delta_bwd_grads`: `delta_bwd_dqkvg` and `delta_wy_bwd` in one
+    program, dk summed in float32 (G, beta per-chunk rows); dG the sum of both parts."""
+    del Tm
+    dq, dk, dv, dG, dbeta = _grads(q, k, v, vn, G, beta, h, do, dh, du, scale=scale)
+    return dq.astype(du.dtype), dk.astype(du.dtype), dv.astype(du.dtype), dG, dbeta
+
+
+def delta_bwd_grads_l2(q, k, v, vn, G, beta, Tm, h, do, dh, du, rq, rk, *, scale):
+    """`chunk_delta_bwd_grads(l2norm=True)`: dq, dk the raw q's and k's gradients."""
+    del Tm
+    dq, dk, dv, dG, dbeta = _grads(q, k, v, vn, G, beta, h, do, dh, du, scale=scale)
+    dq, dk = _l2norm_grad(q, _gate_columns(rq), dq), _l2norm_grad(k, _gate_columns(rk), dk)
+    return dq.astype(du.dtype), dk.astype(du.dtype), dv.astype(du.dtype), dG, dbeta
+
+
 DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": delta_inv_l2, "_fused_t_l2": delta_fwd_fused_t_l2,
                   "_fused_t_v32": delta_fwd_fused_t, "_fused_t_l2_v32": delta_fwd_fused_t_l2, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
                   "_wy_t": delta_wy_t, "_wy_t_l2": delta_wy_t_l2, "_dqkvg": delta_bwd_dqkvg, "_dqkvg_l2": delta_bwd_dqkvg_l2,
-                  "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2}
+                  "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2, "_grads": delta_bwd_grads, "_grads_l2": delta_bwd_grads_l2}
 
 
 def _programs():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fla_jax
-from cases import DELTA_BWD_MODES, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
+from cases import DELTA_BWD_MODES, set_delta_bwd_mode, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _problem, tilelang_backend
@@ -180,9 +180,7 @@ def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
     """The delta-rule kernels against float64 under NaN-poisoned outputs, with fla's ratios (o
     0.006, gradients 0.008, dbeta/dg 0.02); the backward's parallel parts in XLA, or by the
     consumer kernel (DELTA_FUSED_BWD), and the WY VJP kernel too (DELTA_WY_BWD_KERNEL; the default)."""
-    fused, wy_kernel = DELTA_BWD_MODES[mode]
-    monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
-    monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
+    set_delta_bwd_mode(monkeypatch, mode)
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 13)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
@@ -298,7 +296,8 @@ def test_tilelang_without_initial_state(case, scan, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", True)
-    if scan:  # (where built: bf16, K = 64, 128)
+    if scan:  # (where built: bf16, K = 64, 128; the WY VJP's experiment stands in for the program of two, not of one)
+        monkeypatch.setattr(tilelang_backend, "DELTA_GRADS_KERNEL", ())
         for key, name in GATE_SCAN_EXPERIMENTS.items():
             monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
     errs = errors_against_float64(case, 23, terms=("o",) if scan else ("o", "ht"))
@@ -405,6 +404,14 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
         # (G, beta and r as per-chunk rows where it loads them so)
         sums, rk = (gates_for("bwd"), *tilelang_backend._steps_for(prob, "bwd", D, name, 64, beta)), tilelang_backend._steps_for(prob, "bwd", D, name, 64, *rk)
         return (like(k), like(v), like(G), like(G)), (k, v, *sums, t, h, du, dk0, *rk), {}
+    if op == "delta" and name in ("grads", "grads_l2"):  # the consumer and the WY VJP in one program: both's inputs
+        wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
+        p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
+        t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        q, vn, do, du, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
+        rs = tuple(jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32) for _ in range(2 if name == "grads_l2" else 0))
+        sums, rs = (gates_for("bwd"), *tilelang_backend._steps_for(prob, "bwd", D, name, 64, beta)), tilelang_backend._steps_for(prob, "bwd", D, name, 64, *rs)
+        return (like(q), like(k), like(v), like(G), like(G)), (q, k, v, vn, *sums, t, h, do, dh, du, *rs), {"scale": np.float32(D**-0.5)}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")
 
 
@@ -451,6 +458,35 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     limit = 2e-2 if dict(prog.config).get("lo") is False else 5e-3 if prog.kind in ("a", "fused", "fused_h", "dh", "fused_t") else \
         1e-2 if prog.kind == "dqkvg" else 2e-3
     assert all(e <= limit for e in errs), errs
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "l2"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_delta_grads_program_matches_the_two_it_fuses(K, l2norm, dtype, monkeypatch):
+    """`grads` (`grads_l2`), the delta rules' consumer and WY VJP in one program, against the two
+    programs run in turn on the same inputs (the consumer's dk handed on as the WY VJP's dk0),
+    NaN-poisoned outputs: dq, dv, dbeta the same sums; dG the two parts' sum; dk to the input
+    dtype's rounding (the two programs round the consumer's part once more)."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    name = "grads_l2" if l2norm else "grads"
+    results, args, attrs = _program_inputs("delta", name, dtype, K)
+    q, k, v, vn, g, beta, t, h, do, dh, du, *rs = args
+    p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
+    bwd = tilelang_backend._targets(p, "bwd", K, K)
+    call = lambda target, res, *a, **kw: jax.jit(lambda *a: tilelang_backend._call(target, res, *a, **kw))(*a)
+    got = call(bwd[name], results, *args, **attrs)
+    consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if l2norm else ("dqkvg", "wy_bwd")
+    assert all(tilelang_backend._config(p, "bwd", K, n).get("g_rows") for n in (consumer, wy)), "G and beta as rows for all three"
+    dq, dk0, dg0 = call(bwd[consumer], results[:2] + results[3:4], q, k, vn, g, h, do, dh, *rs[:1], **attrs)
+    dk, dv, dg1, dbeta = call(bwd[wy], results[1:], k, v, g, beta, t, h, du, dk0, *rs[1:])
+    want = (dq, dk, dv, dg0 + dg1, dbeta)
+    errs = {n: err_ratio(np.asarray(w.astype(jnp.float32)), o) for n, w, o in zip(("dq", "dk", "dv", "dg", "dbeta"), want, got)}
+    print(name, K, dtype, {n: f"{e:.1e}" for n, e in errs.items()})
+    bad = {n: e for n, e in errs.items() if not e <= (1e-2 if n == "dk" else 2e-3)}
+    assert not bad, bad
 
 
 @on_hopper
@@ -858,7 +894,8 @@ def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
     kernel writes G and its rows, the WY VJP returns the gates' gradient per step (and takes
     columns; at K = 256 the WY kernel then normalises q and k too, in place of the `norm` passes)."""
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    if scan:
+    if scan:  # (the experiments stand in for the WY VJP of two programs: not the one program, DELTA_GRADS_KERNEL)
+        monkeypatch.setattr(tilelang_backend, "DELTA_GRADS_KERNEL", ())
         for key, name in GATE_SCAN_EXPERIMENTS.items():
             monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
     allowed = [v.target(p) for v in variants.VARIANTS for p in v.programs]
@@ -911,11 +948,10 @@ def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
 def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeypatch):
     """GDN (grouped heads, l2 norm) and its gradient lower for CUDA to the kernels (forward: WY
     preparation and the state pass; under a gradient both storing what the backward reads, the
-    reverse state-gradient pass and, when switched on, the consumer and WY VJP kernels) around
-    XLA's parallel parts."""
-    fused, wy_kernel = DELTA_BWD_MODES[mode]
-    monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
-    monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
+    reverse state-gradient pass and, when switched on, the consumer and WY VJP kernels, or the one
+    program for both) around XLA's parallel parts."""
+    fused, wy_kernel, grads = DELTA_BWD_MODES[mode]
+    set_delta_bwd_mode(monkeypatch, mode)
     monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", norm_fused)
     monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", 0)  # (V blocks of 64 in the forward from the inverse)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
@@ -930,8 +966,11 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeyp
         programs = [("fwd", "wy"), ("fwd", "fused")]
     programs += [("fwd", "wy_t_l2")] if norm_fused and K <= 128 else [("fwd", "norm")] * 2 + [("fwd", "wy_t")]
     programs += [("fwd", "fused_h"), ("bwd", "dh")]
-    programs += [("bwd", "dqkvg_l2" if q_norm else "dqkvg")] * fused + [("bwd", "wy_bwd_l2" if k_norm else "wy_bwd")] * wy_kernel
-    programs += [("bwd", "norm_bwd")] * (2 - q_norm - k_norm)
+    if K in grads:  # (the consumer and the WY VJP in one program)
+        programs += [("bwd", "grads_l2")] if norm_fused else [("bwd", "grads"), ("bwd", "norm_bwd"), ("bwd", "norm_bwd")]
+    else:
+        programs += [("bwd", "dqkvg_l2" if q_norm else "dqkvg")] * fused + [("bwd", "wy_bwd_l2" if k_norm else "wy_bwd")] * wy_kernel
+        programs += [("bwd", "norm_bwd")] * (2 - q_norm - k_norm)
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]
     fwd, both = _gdn_custom_calls(K, sorted(set(names)), l2norm=True)
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cases import DELTA_BWD_MODES, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
+from cases import DELTA_BWD_MODES, set_delta_bwd_mode, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _backends, tilelang_backend, xla
@@ -174,6 +174,7 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", zero_rows)
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", zero_rows)
     monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
+    monkeypatch.setattr(tilelang_backend, "DELTA_GRADS_KERNEL", ())  # (the experiments stand in for the WY VJP of two programs)
     for key, name in GATE_SCAN_EXPERIMENTS.items():
         monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
     errs = errors_against_float64(case, 41, terms=terms)
@@ -203,11 +204,9 @@ DELTA_CASES = [
 @pytest.mark.parametrize("case", DELTA_CASES, ids=str)
 def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
     """The delta-rule path (WY preparation and sequential kernels, emulated here, around the XLA
-    VJPs; or with the per-chunk VJP by the consumer kernel, and the WY VJP by its kernel) against
-    the float64 recurrence, outputs and every gradient."""
-    fused, wy_kernel = DELTA_BWD_MODES[mode]
-    monkeypatch.setattr(tilelang_backend, "DELTA_FUSED_BWD", fused)
-    monkeypatch.setattr(tilelang_backend, "DELTA_WY_BWD_KERNEL", wy_kernel)
+    VJPs; or with the per-chunk VJP by the consumer kernel, and the WY VJP by its kernel, or the two
+    in one program) against the float64 recurrence, outputs and every gradient."""
+    set_delta_bwd_mode(monkeypatch, mode)
     p = Problem(op=case.op, delta=True, chunk_size=64, dtype=case.dtype)
     call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
     assert _backends.resolve("auto", p, **call).name == "tilelang"
@@ -227,15 +226,19 @@ WY_ROWS_CASES = [*DELTA_CASES[:3], Case("gated_delta_rule", 2, 130, 2, 128, 128,
 @pytest.mark.parametrize("case", WY_ROWS_CASES, ids=str)
 def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
     """The delta rules' training WY kernel (`wy_t_l2`, use_qk_l2norm_in_kernel), consumer (`dqkvg_l2`;
-    `dqkvg` without) and WY VJP (`wy_bwd_l2`, `wy_bwd`) at K <= 128 taking G, beta and the norms'
-    1 / |q|, 1 / |k| as per-chunk rows by TMA: G's the rows the forward formed for its WY kernel and
+    `dqkvg` without) and WY VJP (`wy_bwd_l2`, `wy_bwd`), or the two in one program (`grads_l2`,
+    `grads`; DELTA_GRADS_KERNEL), at K <= 128 taking G, beta and the norms' 1 / |q|, 1 / |k| as
+    per-chunk rows by TMA: G's the rows the forward formed for its WY kernel and
     kept (`_stores_gate_rows`: XLA transposes G once, in the forward; beta in the forward for the WY
     kernel and again in the backward, r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`;
     every gradient against float64 (emulated; the kernels' own check is the GPU tests, the columns'
     programs `x_wy_t_l2_cols`, `x_dqkvg_l2_cols`, `x_wy_bwd_l2_cols` beside them)."""
     consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if case.l2norm else ("dqkvg", "wy_bwd")
-    # (the consumer's G and 1 / |q|, after q, k, v_new, G, h, do, dh; the WY VJP's G, beta and 1 / |k|, after dk0)
-    picks = {consumer: lambda a: (a[3], *a[7 : 7 + case.l2norm]), wy: lambda a: (a[2], a[3], *a[8 : 8 + case.l2norm])}
+    grads = "grads_l2" if case.l2norm else "grads"  # (the two in one program, DELTA_GRADS_KERNEL)
+    # (the consumer's G and 1 / |q|, after q, k, v_new, G, h, do, dh; the WY VJP's G, beta and 1 / |k|, after dk0; the one
+    # program's G, beta after q, k, v, v_new, and 1 / |q|, 1 / |k| after T, h, do, dh, du)
+    picks = {consumer: lambda a: (a[3], *a[7 : 7 + case.l2norm]), wy: lambda a: (a[2], a[3], *a[8 : 8 + case.l2norm]),
+             grads: lambda a: (a[4], a[5], *a[11 : 11 + 2 * case.l2norm])}
     if case.l2norm:  # (the WY kernel's G and beta, after q, k, v)
         picks["wy_t_l2"] = lambda a: (a[3], a[4])
     calls, transposed = _watch_rows(monkeypatch, lambda n, args: tuple(a.shape for a in picks[n](args)) if n in picks else None)
@@ -247,7 +250,10 @@ def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
     assert sorted(s[1] for s in transposed) == sorted([HV, HV] + [HV, case.H, case.H] * case.l2norm), transposed
     NT = transposed[0][0] // 64
     rs = ((NT, case.H, 64),) * case.l2norm
-    want = {consumer: [((NT, HV, 64), *rs)], wy: [((NT, HV, 64), (NT, HV, 64), *rs)]}
+    if case.K in tilelang_backend.DELTA_GRADS_KERNEL:
+        want = {grads: [((NT, HV, 64), (NT, HV, 64), *rs, *rs)]}
+    else:
+        want = {consumer: [((NT, HV, 64), *rs)], wy: [((NT, HV, 64), (NT, HV, 64), *rs)]}
     assert calls == want | ({"wy_t_l2": [((NT, HV, 64), (NT, HV, 64))]} if case.l2norm else {}), calls
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
     assert all(e <= tol for e in errs.values()), errs
@@ -257,9 +263,9 @@ def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
 def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
     """use_qk_l2norm_in_kernel under a gradient: with DELTA_L2NORM_FUSED the WY kernel normalises q
     and k (`wy_t_l2`, at K <= 128; a `norm` pass per tensor before it elsewhere), and the consumer
-    and the WY VJP take the normalisation's gradient (`dqkvg_l2`, `wy_bwd_l2`; at K = 256, where
-    the consumer splits a row's channels, dq by `norm_bwd`); without it a `norm` and a `norm_bwd`
-    pass per tensor; both against the float64 recurrence (emulated kernels)."""
+    and the WY VJP take the normalisation's gradient (`dqkvg_l2`, `wy_bwd_l2`, or the one program for
+    both, `grads_l2`; at K = 256, where the consumer splits a row's channels, dq by `norm_bwd`);
+    without it a `norm` and a `norm_bwd` pass per tensor; both against the float64 recurrence (emulated kernels)."""
     calls = []
 
     def record(target, *args, **attrs):
@@ -275,8 +281,11 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
         jax.clear_caches()  # (an earlier test may have traced the same partitioned backward)
         calls.clear()
         grads, _ = loss_and_outputs(case, "tilelang")(diff, cot)
-        bwd = [c for c in calls if c in ("dqkvg", "dqkvg_l2", "wy_bwd", "wy_bwd_l2", "norm_bwd")]
-        want = (["dqkvg_l2" if case.K <= 128 else "dqkvg", "wy_bwd_l2"] + ["norm_bwd"] * (case.K > 128)) if on else ["dqkvg", "wy_bwd", "norm_bwd", "norm_bwd"]
+        bwd = [c for c in calls if c in ("dqkvg", "dqkvg_l2", "wy_bwd", "wy_bwd_l2", "norm_bwd", "grads", "grads_l2")]
+        if case.K in tilelang_backend.DELTA_GRADS_KERNEL:  # (the consumer and the WY VJP in one program)
+            want = ["grads_l2"] if on else ["grads", "norm_bwd", "norm_bwd"]
+        else:
+            want = (["dqkvg_l2" if case.K <= 128 else "dqkvg", "wy_bwd_l2"] + ["norm_bwd"] * (case.K > 128)) if on else ["dqkvg", "wy_bwd", "norm_bwd", "norm_bwd"]
         assert bwd == want, (on, calls)
         fwd = [c for c in calls if c in ("norm", "wy_t", "wy_t_l2")]
         assert fwd == (["wy_t_l2"] if on and case.K <= 128 else ["norm", "norm", "wy_t"]), (on, calls)
