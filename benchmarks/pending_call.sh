@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
 # session for what is owed). After the twenty-ninth session (2026-12-05): the delta rules' consumer and WY VJP in one
-# program (`grads`, `grads_l2`, dispatched at K = 128) with `late_cols` (measured as the experiment x_grads_l2_cols,
-# taken; its K = 64 and fp16 builds and `grads` with it first run in the session's last call if it ran, see RESULTS.md),
-# then Nsight Compute of `grads_l2` for what bounds it (one program per SM; a persistent program overlapping a chunk's
-# loads with the previous chunk's products is the lead):
+# program (`grads`, `grads_l2`) is dispatched at K = 128 as measured; `late_cols` (P's column sums through dkk's halves)
+# ran only as the experiment `x_grads_l2_cols` (K = 128, bf16: the same bits, 0.8 % faster): to take it, build it
+# into `grads` / `grads_l2` (variants.py config) and run this; with Nsight Compute of `grads_l2` for what bounds it
+# (one program per SM; a persistent program overlapping a chunk's loads with the previous chunk's products is the lead):
 #
 #   B=fla_delta_bwd_bf16_k128_v128_c64
-#   PROGS="${B}_grads_l2 ${B}_x_grads_l2_xt ${B}_dqkvg_l2 ${B}_wy_bwd_l2" bash benchmarks/pending_call.sh prep
+#   PROGS="${B}_grads_l2 ${B}_x_grads_l2_cols ${B}_dqkvg_l2 ${B}_wy_bwd_l2" bash benchmarks/pending_call.sh prep
 #   OUT=$OUT FIRST="${B}_grads_l2" TT=200 SEL="delta and matches_float64 or experimental_programs and delta or grads" \
 #     PROGS=... NCU="${B}_grads_l2" BENCH=1 ALTS="two=-DELTA_GRADS_KERNEL" OPS=gdn,delta_rule \
 #     BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64 ROUNDS=3 TB=300 bash benchmarks/pending_call.sh

@@ -37,7 +37,7 @@ def chunk_delta_bwd_grads(*, K: int, V: int, dtype: str, BT: int = 64, l2norm: b
     The same sums as the two programs (dk's float32 sum is not rounded between them). Outputs
     `dq, dk [L, HV, K]` per value head (the caller sums a group), `dv [L, HV, V]` (input dtype),
     `dg [L, HV]` (the gradient of G: the caller takes its reverse in-chunk sum), `dbeta [L, HV]`.
-    K = V <= 128 (218.5 KB of shared memory at 128: one program per SM). `regs`: each
+    K = V <= 128 (222 KB of shared memory at 128: one program per SM). `regs`: each
     warpgroup's register count (`setmaxnreg`; 0: the launch's share, 168). `g_rows` (the only
     layout): read by the caller's dispatch (`_gates_for`, `_steps_for`). `late_cols`: P's column
     sums as the WY VJP takes them, P transposed through dkk's halves once warpgroup 2 is done with
@@ -46,7 +46,10 @@ def chunk_delta_bwd_grads(*, K: int, V: int, dtype: str, BT: int = 64, l2norm: b
     Each warpgroup's code opens with a named barrier of its own warpgroup: TileLang's sync planner
     reads the warpgroups' code in sequence, and where the accesses after one warpgroup's last
     barrier and before the next one's first touch one buffer it syncs the whole block between them
-    (a deadlock here, where the warpgroups wait on each other; build.py refuses such a program)."""
+    (a deadlock here, where the warpgroups wait on each other; build.py refuses such a program).
+    Only warpgroup 2 sums across warps (`<h, dh>`, `sum(dk k)`; every other sum is a row's, within a
+    warp): TileLang's cross-warp reduction syncs on named barriers 1 and 2 whatever the warpgroup,
+    so two warpgroups reducing so at once would share them."""
     assert K == V and K <= 128, "K = V <= 128"
     assert g_rows, "G, beta and 1 / |x| as per-chunk rows (g_rows) only"
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
@@ -73,7 +76,7 @@ def chunk_delta_bwd_grads(*, K: int, V: int, dtype: str, BT: int = 64, l2norm: b
             th_s = T.alloc_shared((BT, BT), dtype)  # T = th + tl
             tl_s = T.alloc_shared((BT, BT), dtype)
             ds_s = T.alloc_shared((BT, BT), dtype)
-            xh_s = T.alloc_shared((BT, BT), dtype)  # halves of dT, X, P (its transpose), then of dkk
+            xh_s = T.alloc_shared((BT, BT), dtype)  # halves of dT, X, then of dkk (and with late_cols then of P)
             xl_s = T.alloc_shared((BT, BT), dtype)
             dw_s = T.alloc_shared((BT, K), dtype)  # dw, then dk
             qrow_s = T.alloc_shared((BT,), acc)  # row sums of dq q (warpgroup 0)
