@@ -62,8 +62,8 @@ DELTA_WY_BWD_KERNEL = True
 # `grads_l2` 0.3725 ms against `dqkvg_l2` + `wy_bwd_l2` 0.2822 + 0.3257 at 4,4096,16,128 (0.3724
 # against 0.2828 + 0.3255 at 2,8192,16,128), GDN's training step 1.315 -> 1.087 ms there (jla 1.305),
 # 1.477 -> 1.259 at 2,8192,16,128 (jla 1.525; bf16, H100, 2026-12-05). At K = 64 slower (0.2799 against
-# 0.1057 + 0.1630; the step 0.654 against 0.667), where the two programs share an SM three and two to one:
-# not there. Tests run both settings.
+# 0.1057 + 0.1630 at 8,2048,16,64; the step 0.667 against 0.654), where the consumer and the WY VJP each
+# run several programs to an SM and the one program runs one: not there. Tests run both settings.
 DELTA_GRADS_KERNEL: tuple[int, ...] = (128,)
 
 # The delta rules' forward with no gradient (the `fwd` direction) from the gate-free inverse T0
