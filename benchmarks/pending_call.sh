@@ -3,8 +3,7 @@
 # session for what is owed). After the twenty-ninth session (2026-12-05): the delta rules' consumer and WY VJP in one
 # program (`grads`, `grads_l2`) is dispatched at K = 128 as measured; `late_cols` (P's column sums through dkk's halves)
 # ran only as the experiment `x_grads_l2_cols` (K = 128, bf16: the same bits, 0.8 % faster): to take it, build it
-# into `grads` / `grads_l2` (variants.py config) and run this; with Nsight Compute of `grads_l2` for what bounds it
-# (one program per SM; a persistent program overlapping a chunk's loads with the previous chunk's products is the lead):
+# into `grads` / `grads_l2` (variants.py config) and run this (Nsight Compute of `grads_l2`: 75 % of DRAM's bandwidth):
 #
 #   B=fla_delta_bwd_bf16_k128_v128_c64
 #   PROGS="${B}_grads_l2 ${B}_x_grads_l2_cols ${B}_dqkvg_l2 ${B}_wy_bwd_l2" bash benchmarks/pending_call.sh prep
