@@ -571,7 +571,6 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     # (with dv_new, `du`, the gradient of v_new that its chain forms)
     gates = _gates_for(p, "bwd", K, "dh", Gf, C, grows)
     dh, dh0, du = _call(bwd["dh"], (_like(hf), dh0_like, _like(vf)), qf, kf, wd, dof, gates, dht, cstart, ccount, scale=s)
-    f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
     heads = lambda x: _like(x, None, HV)
     # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
     q_norm = l2norm and norm_fused and fused and "dqkvg_l2" in bwd
@@ -583,10 +582,29 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         outs = (heads(qf), heads(kf), _like(vf), _like(Gf), _like(Gf))
         dq, dk, dv, dG, dbeta = _call(bwd[name], outs, qf, kf, vf, vn, gates, *betas, Tm, hf, dof, dh, du, *rs, scale=s)
         dq, dk = group_sum(dq), group_sum(dk)
-        if l2norm and name == "grads":
-            dq, dk = _norm_backward(p, qf, rq, dq.astype(qf.dtype)), _norm_backward(p, kf, rk, dk.astype(kf.dtype))
-        return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(_in_chunk_cumsum(dG, C, reverse=True), jnp.float32),
-                rows(dbeta, jnp.float32), *((dh0,) if has_h0 else ()))
+        q_norm = k_norm = name == "grads_l2"  # (what the program has folded the norms' gradient into)
+        dg = _in_chunk_cumsum(dG, C, reverse=True)  # G's gradient -> the gates' per step
+    else:
+        dq, dk, dv, dg, dbeta = _delta_two_programs(p, bwd, switches, scale, qf, kf, vf, Gf, flat[4], wd, ud, Tm, vn, hf, dof, dh, du,
+                                                    grows, rq, rk, q_norm, k_norm, group_sum)
+    if l2norm and not q_norm:
+        dq = _norm_backward(p, qf, rq, dq.astype(qf.dtype))
+    if l2norm and not k_norm:
+        dk = _norm_backward(p, kf, rk, dk.astype(kf.dtype))
+    return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(dg, jnp.float32),
+            rows(dbeta, jnp.float32), *((dh0,) if has_h0 else ()))
+
+
+def _delta_two_programs(p, bwd, switches, scale, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, hf, dof, dh, du, grows, rq, rk, q_norm, k_norm,
+                        group_sum):
+    """The delta rules' backward after the reverse pass in two programs (the consumer on v_new, then the WY VJP
+    kernel) or in XLA (`_delta_local`'s VJP and `_wy_vjp`), as `switches` pick: dq, dk, dv, dg (per step),
+    dbeta; dq and dk before the norms' gradient where `q_norm` / `k_norm` are off."""
+    fused, wy_kernel = switches[:2]
+    C, K, V, HV = p.chunk_size, qf.shape[-1], vf.shape[-1], vf.shape[1]
+    s = np.float32(scale)
+    f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
+    heads = lambda x: _like(x, None, HV)
     if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, less dv (du)
         name, rqs = ("dqkvg_l2", (rq,)) if q_norm else ("dqkvg", ())
         rqs, gates = _steps_for(p, "bwd", K, name, C, *rqs), _gates_for(p, "bwd", K, name, Gf, C, grows)
@@ -602,7 +620,7 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         name, rks = ("wy_bwd_l2", (rk,)) if k_norm else ("wy_bwd", ())
         summed = _config(p, "bwd", K, name).get("dg_sum", False)  # (then it takes the consumer's dG, and adds it)
         # G, beta (and r) as it takes them (G's rows as the forward kept them)
-        sums, rks = (_gates_for(p, "bwd", K, name, Gf, C, grows), *_steps_for(p, "bwd", K, name, C, flat[4])), _steps_for(p, "bwd", K, name, C, *rks)
+        sums, rks = (_gates_for(p, "bwd", K, name, Gf, C, grows), *_steps_for(p, "bwd", K, name, C, beta)), _steps_for(p, "bwd", K, name, C, *rks)
         dk2, dv, dG2, dbeta = _call(bwd[name], outs, kf, vf, *sums, Tm, hf, du.astype(kf.dtype), dkv, *((dG,) if summed else ()), *rks)
         dk2 = group_sum(dk2)
     else:
@@ -610,15 +628,10 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
             NT = hf.shape[0]
             dw = -jnp.einsum("nchv,nhkv->nchk", du.reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32).reshape(-1, HV, K)
             dk = group_sum(f32(dkv))
-        dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, flat[4], dw, f32(du))
+        dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, beta, dw, f32(du))
     dk = dk2 if fused and wy_kernel else dk + dk2  # (the WY VJP kernel has added the consumer's dk)
-    if l2norm and not q_norm:
-        dq = _norm_backward(p, qf, rq, dq.astype(qf.dtype))
-    if l2norm and not k_norm:
-        dk = _norm_backward(p, kf, rk, dk.astype(kf.dtype))
     dg = dG2 if summed else _in_chunk_cumsum(dG + dG2, C, reverse=True)  # G's gradient -> the gates' per step
-    return (rows(dq, qf.dtype), rows(dk, kf.dtype), rows(dv, vf.dtype), rows(dg, jnp.float32),
-            rows(dbeta, jnp.float32), *((dh0,) if has_h0 else ()))
+    return dq, dk, dv, dg, dbeta
 
 
 def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool = False, has_h0: bool = True,
