@@ -89,10 +89,11 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute of the named programs at 4,4096,16,
 fi
 if [ -n "${PROFILE:-}" ]; then  # kernels by name, the programs and XLA's glue (PROFILE="op:BxTxHxD[:fwd] ...",
   # ":fwd" the forward alone, else the training step; of each implementation in PIMPLS)
+  palt=(); for a in ${PALTS:-}; do palt+=(--alt "$a"); done  # (PALTS: `--alt` arguments, PIMPLS naming fla_jax:tilelang@NAME)
   for p in $PROFILE; do
     IFS=: read -r pop pshape pfwd <<< "$p"
     for impl in ${PIMPLS:-fla_jax:tilelang}; do
-      timeout 90 python3 benchmarks/profile_op.py ${pfwd:+--fwd} --op $pop --shape $pshape --impl $impl 2>&1 | grep -v "lines:" \
+      timeout 90 python3 benchmarks/profile_op.py ${pfwd:+--fwd} --op $pop --shape $pshape --impl $impl "${palt[@]}" 2>&1 | grep -v "lines:" \
         | awk '/by kernel:/{k=1} k' | head -24 | tee -a "$O/profile.txt"
     done
   done
@@ -139,5 +140,11 @@ if [ -n "${BENCH:-}" ]; then
       --delta-fwd-inverse "$INV" --json "$O/bench_inv.json" 2>&1 | grep -E "^\|" > "$O/bench_inv.txt"
     cat "$O/bench_inv.txt"
   fi
+fi
+if [ -n "${FLA:-}" ]; then  # fla's Triton ops (its gated backward's check lifted, timing only) at FLASHAPES, after ours
+  TRITON_CACHE_AUTOTUNING=1 timeout ${TF:-240} python3 benchmarks/bench.py --ops ${FLAOPS:-${OPS:-gdn}} --shapes ${FLASHAPES:-4x4096x16x128} \
+    --impls fla --lift-fla-check --json "$O/bench_fla.json" 2>&1 | grep -E "^\|" > "$O/bench_fla.txt"
+  cat "$O/bench_fla.txt"
+  echo "t=${SECONDS}"
 fi
 echo "done in ${SECONDS}s"

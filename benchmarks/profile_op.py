@@ -17,7 +17,7 @@ import pathlib
 import tempfile
 
 import jax
-from bench import ALIASES, jax_step
+from bench import ALIASES, ALTERNATIVES, jax_step
 
 
 def device_events(path: pathlib.Path):
@@ -43,7 +43,12 @@ def main():
     ap.add_argument("--impl", default="fla_jax:tilelang")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--fwd", action="store_true", help="the forward alone (default: the training step)")
+    ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
+                    help="as bench.py's: tilelang configured otherwise, profiled as --impl fla_jax:tilelang@NAME")
     args = ap.parse_args()
+    for alt in args.alt:
+        name, _, spec = alt.partition("=")
+        ALTERNATIVES[name] = spec
     shape = tuple(int(n) for n in args.shape.split("x"))
     fwd, step, a = jax_step(args.impl, ALIASES.get(args.op, args.op), shape)  # (bench.py's names too: gdn, delta)
     f = fwd if args.fwd else step

@@ -66,6 +66,13 @@ DELTA_WY_BWD_KERNEL = True
 # run several programs to an SM and the one program runs one: not there. Tests run both settings.
 DELTA_GRADS_KERNEL: tuple[int, ...] = (128,)
 
+# The gates' in-chunk cumulative sums (and their VJP, the reverse sums) in XLA as one float32 matrix
+# product with a triangle of ones (`_in_chunk_cumsum`), the per-chunk rows that the programs load by TMA
+# (`g_rows`) straight from it (the product's natural layout), instead of XLA's scan (2.6 + 1.3 + 0.5 µs
+# in three launches at 4,4096,16,128 on an H100) and a transpose to rows (2.1 µs). Full float32
+# (`Precision.HIGHEST`: no TF32); the sums in another order than the scan's. Tests run both settings.
+GATE_SUM_DOT = False
+
 # The delta rules' forward with no gradient (the `fwd` direction) from the gate-free inverse T0
 # (`chunk_delta_wy(inverse_only=True)`, program `inv`) and `chunk_delta_fwd_t` (`fused_t`), which
 # forms v_new = Ag (v - exp(G) k S) on chip, instead of the WY kernel's w and u (jla's forward).
@@ -210,12 +217,24 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
 def _in_chunk_cumsum(g, C: int, reverse: bool = False):
     """The cumulative sum of the per-step gates within each chunk of `C` rows (axis 1 of chunk rows
     `[B, NT * C, H]`, or axis 0 of flat ones `[NT * C, H]`); `reverse`: from each chunk's end (the
-    sum's VJP)."""
+    sum's VJP). Under GATE_SUM_DOT a matrix product (`_in_chunk_rows`)."""
     axis = 1 if g.ndim == 3 else 0
     x = g.reshape(*g.shape[:axis], -1, C, *g.shape[axis + 1 :])
+    if GATE_SUM_DOT:
+        return jnp.swapaxes(_in_chunk_rows(g, C, reverse), -1, -2).reshape(g.shape)
     if reverse:
         return jnp.flip(jnp.cumsum(jnp.flip(x, axis + 1), axis=axis + 1), axis + 1).reshape(g.shape)
     return jnp.cumsum(x, axis=axis + 1).reshape(g.shape)
+
+
+def _in_chunk_rows(g, C: int, reverse: bool = False):
+    """`_in_chunk_cumsum` of `g` (`[..., NT * C, H]`) as per-chunk rows `[..., NT, H, C]` (`_gate_rows`'s
+    layout): one float32 product with a triangle of ones, whose result has that layout."""
+    x = g.reshape(*g.shape[:-2], -1, C, g.shape[-1])
+    j, i = jnp.arange(C, dtype=jnp.int32)[:, None], jnp.arange(C, dtype=jnp.int32)[None]  # (iota: custom partitioning takes no constants)
+    tri = ((j >= i) if reverse else (j <= i)).astype(jnp.float32)  # [j, i]: whether step j counts towards the sum at step i
+    return jnp.einsum("...ch,ci->...hi", x.astype(jnp.float32), tri, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- use_qk_l2norm_in_kernel
@@ -390,8 +409,11 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     graw = Gf  # the gates per step: their in-chunk sums by XLA where a kernel takes those
     # (under a gradient the delta rules' WY kernel may sum them and write G and its rows, `g_scan`)
     wy_scan = store_h and p.delta and _config(p, "fwd", K, _wy_name(store_h, l2norm)).get("g_scan", False)
+    rows0 = None  # G's per-chunk rows straight from XLA's product (GATE_SUM_DOT; the same product as Gf's)
     if p.op != "gla" and not wy_scan:
         Gf = _in_chunk_cumsum(graw, C)
+        rows0 = _in_chunk_rows(graw, C) if GATE_SUM_DOT else None
+    gate_rows = lambda: _gate_rows(Gf, C) if rows0 is None else rows0
     dt = qf.dtype
     NT = qf.shape[0] // C
     wy, grows = (), None
@@ -417,7 +439,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         wy_name = _wy_name(store_h, l2norm)
         wy_target = _targets(p, "fwd", K, V)[wy_name]
         if _config(p, "fwd", K, wy_name).get("g_rows"):  # G's rows, also for the passes after it
-            grows = _gate_rows(Gf, C)
+            grows = gate_rows()
         gates = (graw if wy_scan else _gates_for(p, "fwd", K, wy_name, Gf, C, grows), *_steps_for(p, "fwd", K, wy_name, C, flat[4]))
         if l2norm:  # (`wy_t_l2`) from the raw q and k; their normalised y and 1 / |x| for the passes after it
             r = jax.ShapeDtypeStruct(qf.shape[:2], jnp.float32)
@@ -431,8 +453,8 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
             norms = tuple(x.reshape(B, Lr, *x.shape[1:]) for x in (qf, kf, rq, rk))
         name = "fused_h" if store_h else "fused"
         if grows is None and store_rows:  # (XLA's transpose, for this pass and the backward's)
-            grows = _gate_rows(Gf, C)
-        ins, extra = (qf, kf, *wy[:2], _gates_for(p, "fwd", K, name, Gf, C, grows)), (_like(vf),)  # extra result: v_new
+            grows = gate_rows()
+        ins, extra = (qf, kf, *wy[:2], _gates_for(p, "fwd", K, name, Gf, C, grows if grows is not None else rows0)), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
     elif p.op == "gla":  # the intra-chunk matrix, G (both kept) and q exp(G), k exp(G_C - G) for the state pass
@@ -444,11 +466,11 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         # gates per step where it sums them itself (`g_scan`)
         name = "fused_h" if store_h else "fused"
         scan = not store_h and _config(p, "fwd", K, name).get("g_scan")
-        grows = _gate_rows(Gf, C) if store_rows else None  # (for this pass and the backward's)
-        ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C, grows)), ()
+        grows = gate_rows() if store_rows else None  # (for this pass and the backward's)
+        ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C, grows if grows is not None else rows0)), ()
         pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
         if pieces > 1:
-            return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, Gf, B, C)
+            return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, gate_rows(), B, C)
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
     out = _call(
         _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
@@ -485,12 +507,12 @@ def _pieces(B: int, H: int, V: int, nt: int) -> int:
     return pieces
 
 
-def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, G, B: int, C: int):
+def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, rows, B: int, C: int):
     """Simple GLA's `(o, ht)` (dense, no gradient) with each sequence's chunks walked in `pieces`
     pieces at once by the state pass (`fused`, as `pieces * B` sequences, the first piece from h0,
     the others from zero states); then `enter` adds what the states entering the later pieces
     contribute to their output. `ins`: the pass's token inputs (q, k, v and the gates as it takes
-    them), `h0` with no rows where there is none, `G` the in-chunk sums `[L, H]`."""
+    them), `h0` with no rows where there is none, `rows` the in-chunk sums as per-chunk rows `[NT, H, C]`."""
     q = ins[0]
     L, H, K = q.shape
     V = ins[2].shape[-1]
@@ -502,7 +524,6 @@ def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, G, B: int,
     s = np.float32(scale)
     o, ht = _call(targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), jax.ShapeDtypeStruct((B * pieces, H, K, V), jnp.float32)),
                   *ins, h0s, first, jnp.full_like(first, m), scale=s)
-    rows = _gate_rows(G, C)  # [NT, H, C]
     chunk = rows[:, :, -1].reshape(B, pieces, m, H)  # a chunk's whole decay
     ht = ht.reshape(B, pieces, H, K, V)
     S, enter = jnp.zeros_like(ht[:, 0]), []  # the state entering each piece (piece 0's is in o already)
@@ -647,7 +668,7 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
     backward's arrays (`_stores_gate_rows`). `has_dht` (`bwd`): the final state's cotangent among
     the arrays (none where the loss takes no final state)."""
     switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())),
-                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0, ZERO_ROW_DHT, DELTA_GRADS_KERNEL)
+                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0, ZERO_ROW_DHT, GATE_SUM_DOT, DELTA_GRADS_KERNEL)
     return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, store_rows, has_dht, switches, VJP_PRECISION)
 
 

@@ -160,6 +160,25 @@ def test_tilelang_simple_gla_forward_split(case, monkeypatch):
     assert all(e <= 0.004 for e in errs.values()), errs
 
 
+SUM_DOT_GPU_CASES = [GPU_CASES[6], GPU_CASES[8], SPLIT_GPU_CASES[0]]
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SUM_DOT_GPU_CASES, ids=str)
+def test_tilelang_gates_summed_by_a_product(case, monkeypatch):
+    """GATE_SUM_DOT (the gates' in-chunk sums and their VJP as XLA float32 products with a triangle of
+    ones, G's per-chunk rows straight from the forward's) against float64 under NaN-poisoned outputs,
+    simple GLA here (the delta rules' in test_tilelang_delta_gates_summed_by_a_product): with TF32 in the
+    product strong decay (G of tens) would miss by percents."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", True)
+    errs = errors_against_float64(case, 17)
+    print(case, {n: f"{e:.1e}" for n, e in errs.items()})
+    bad = {n: e for n, e in errs.items() if not e <= (0.004 if n[0] in "oh" else 0.005)}
+    assert not bad, bad
+
+
 DELTA_GPU_CASES = [
     Case("gated_delta_rule", 2, 1000, 4, 128, 128, dtype="bfloat16", h0=True, l2norm=True),
     Case("gated_delta_rule", 1, 1000, 2, 128, 128, HV=4, dtype="bfloat16", cu=(0, 0, 300, 301, 640, 1000), h0=True, l2norm=True),
@@ -189,6 +208,21 @@ def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
     errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     limit = lambda n: 0.006 if n in ("o", "ht") else 0.02 if n in ("dbeta", "dg") else 0.008
+    bad = {n: e for n, e in errs.items() if not e <= limit(n)}
+    assert not bad, bad
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [DELTA_GPU_CASES[i] for i in (1, 2, 4, 5)], ids=str)
+def test_tilelang_delta_gates_summed_by_a_product(case, monkeypatch):
+    """The delta rules under GATE_SUM_DOT (see test_tilelang_gates_summed_by_a_product) against float64,
+    NaN-poisoned, fla's ratios: o and ht with a gradient and without, every gradient."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", True)
+    errs = errors_against_float64(case, 19)
+    print(case, {n: f"{e:.1e}" for n, e in errs.items()})
+    limit = lambda n: 0.006 if n[0] in "oh" else 0.02 if n in ("dbeta", "dg") else 0.008
     bad = {n: e for n, e in errs.items() if not e <= limit(n)}
     assert not bad, bad
 

@@ -259,6 +259,52 @@ def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
     assert all(e <= tol for e in errs.values()), errs
 
 
+SUM_DOT_CASES = [ROWS_CASES[0], SPLIT_CASES[1], DELTA_CASES[1], WY_ROWS_CASES[-1], Case("delta_rule", 1, 130, 2, 128, 128, dtype="bfloat16")]
+
+
+@pytest.mark.parametrize("case", SUM_DOT_CASES, ids=str)
+def test_gates_summed_by_a_product_match_float64(case, emulated, monkeypatch):
+    """GATE_SUM_DOT: the gates' in-chunk sums and their VJP as XLA products with a triangle of ones, the
+    per-chunk rows that the programs load by TMA (`g_rows`) straight from the forward's product: XLA
+    transposes G to rows nowhere (simple GLA: no transpose at all; the delta rules: one fewer than
+    with the scan, beta's and the norms' left), and o, ht (with a gradient and without) and every
+    gradient match float64 and the scan's results (emulated)."""
+    errs, transposes, gate_rows = {}, {}, tilelang_backend._gate_rows
+    for on in (False, True):
+        tilelang_backend._partitioned_with.cache_clear()
+        monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)  # (the transposes of this run alone)
+        _, transposes[on] = _watch_rows(monkeypatch, lambda name, args: None)
+        monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", on)
+        errs[on] = errors_against_float64(case, 53)
+    print(case, transposes, {n: f"{e:.1e}" for n, e in errs[True].items()})
+    if case.op == "simple_gla":
+        assert len(transposes[False]) == 2 and transposes[True] == [], transposes
+    else:
+        assert len(transposes[True]) == len(transposes[False]) - 1, transposes
+    tol = 1e-2 if case.op != "simple_gla" else 5e-3
+    assert all(e <= tol for e in errs[True].values()), errs[True]
+    assert all(abs(errs[True][n] - errs[False][n]) <= 0.1 * errs[False][n] + 1e-4 for n in errs[False]), errs
+
+
+@pytest.mark.parametrize("shape", [(2, 192, 3), (256, 2)])
+def test_in_chunk_sums_by_a_product(shape, monkeypatch):
+    """`_in_chunk_cumsum` (both directions, chunk rows `[B, NT * C, H]` and flat `[NT * C, H]`) as a float32
+    product equals the scan's within float32 rounding, `_in_chunk_rows` is the same in per-chunk rows
+    (`_gate_rows`'s layout), and the product asks for full float32 (no TF32 on a GPU)."""
+    g = jax.random.normal(jax.random.key(3), shape, jnp.float32)
+    C = 64
+    for reverse in (False, True):
+        monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", False)
+        want = tilelang_backend._in_chunk_cumsum(g, C, reverse)
+        monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", True)
+        got = tilelang_backend._in_chunk_cumsum(g, C, reverse)
+        assert got.shape == g.shape and float(jnp.max(jnp.abs(got - want))) <= 2e-5, float(jnp.max(jnp.abs(got - want)))
+        rows = tilelang_backend._in_chunk_rows(g, C, reverse)
+        assert jnp.array_equal(rows, tilelang_backend._gate_rows(got.reshape(-1, shape[-1]), C).reshape(rows.shape))
+        hlo = jax.jit(lambda x: tilelang_backend._in_chunk_rows(x, C, reverse)).lower(g).as_text()
+        assert "HIGHEST" in hlo, hlo
+
+
 @pytest.mark.parametrize("case", [c for c in DELTA_CASES if c.l2norm] + [Case("gated_delta_rule", 1, 100, 1, 256, 256, HV=2, dtype="bfloat16", l2norm=True)], ids=str)
 def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
     """use_qk_l2norm_in_kernel under a gradient: with DELTA_L2NORM_FUSED the WY kernel normalises q
