@@ -241,11 +241,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # the chunk's state, k and the consumer's dk read or formed once (jla's `chunk_grads` layout: three warpgroups, one
         # program per SM). `grads_l2` 0.3725 / 0.3724 ms against `dqkvg_l2` + `wy_bwd_l2` 0.2822 + 0.3257 / 0.2828 + 0.3255
         # at 4,4096,16,128 / 2,8192,16,128, at K = 64 0.2799 against 0.1057 + 0.1630 at 8,2048,16,64 (bf16, H100, 2026-12-05,
-        # ten launches a sample, interleaved)
+        # ten launches a sample, interleaved); P's column sums through dkk's halves once warpgroup 2 has read them
+        # (`late_cols`, as the WY VJP), not as row sums of X^T T beside T^T X: 0.3694 against 0.3725 ms (the experiment
+        # `x_grads_l2_cols` then), the same bits
         Program(name="grads", module="delta.grads", builder="chunk_delta_bwd_grads", outputs=("dq", "dk", "dv", "dg", "dbeta"),
-                config=G_ROWS, dims=(64, 128)),
+                config=(*G_ROWS, ("late_cols", True)), dims=(64, 128)),
         Program(name="grads_l2", module="delta.grads", builder="chunk_delta_bwd_grads", outputs=("dq", "dk", "dv", "dg", "dbeta"),
-                config=(("l2norm", True), *G_ROWS), dims=(64, 128)),
+                config=(("l2norm", True), *G_ROWS, ("late_cols", True)), dims=(64, 128)),
     ),
     ("simple_gla", "bwd"): (
         # G's rows by TMA at K = 64, 128 (since the twenty-seventh session; the forward under a gradient hands them over,
@@ -443,12 +445,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the delta rules' state-gradient pass in one warpgroup (the default before)
     # and the WY VJP and the consumer with their loads (and the WY VJP's stores) by each thread (the default before)
     ("delta", "bwd", "bf16", 128): (
-        # P's column sums through dkk's halves once warpgroup 2 has read them (as the WY VJP), not as row sums of X^T T
-        # formed beside T^T X: 0.3694 / 0.3697 against 0.3725 / 0.3724 ms at 4,4096,16,128 / 2,8192,16,128 (bf16, H100,
-        # 2026-12-05, ten launches a sample, interleaved), the same bits; to be taken once its other builds (K = 64, fp16,
-        # without l2norm) have run on a GPU
-        Program(name="x_grads_l2_cols", of="grads_l2", module="delta.grads", builder="chunk_delta_bwd_grads",
-                outputs=("dq", "dk", "dv", "dg", "dbeta"), config=(("l2norm", True), *G_ROWS, ("late_cols", True))),
+        # P's column sums as row sums of X^T T formed beside T^T X (dispatched until the thirtieth session, before
+        # `late_cols`: 0.3725 / 0.3724 against 0.3694 / 0.3697 ms at 4,4096,16,128 / 2,8192,16,128, bf16, H100, 2026-12-05)
+        Program(name="x_grads_l2_xt", of="grads_l2", module="delta.grads", builder="chunk_delta_bwd_grads",
+                outputs=("dq", "dk", "dv", "dg", "dbeta"), config=(("l2norm", True), *G_ROWS)),
         # G, beta and r as columns loaded by each thread (dispatched before the twenty-eighth session)
         Program(name="x_wy_bwd_l2_cols", of="wy_bwd_l2", module="delta.wy", builder="chunk_delta_wy_bwd",
                 outputs=("dk", "dv", "dg", "dbeta"), config=(("t_regs", True), ("l2norm", True))),
