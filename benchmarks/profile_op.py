@@ -17,7 +17,7 @@ import pathlib
 import tempfile
 
 import jax
-from bench import ALIASES, ALTERNATIVES, jax_step
+from bench import ALIASES, ALTERNATIVES, _compiled_step
 
 
 def device_events(path: pathlib.Path):
@@ -50,7 +50,8 @@ def main():
         name, _, spec = alt.partition("=")
         ALTERNATIVES[name] = spec
     shape = tuple(int(n) for n in args.shape.split("x"))
-    fwd, step, a = jax_step(args.impl, ALIASES.get(args.op, args.op), shape)  # (bench.py's names too: gdn, delta)
+    # (bench.py's names too: gdn, delta; `fla_jax:tilelang@NAME` traced as --alt NAME=SPEC configures it)
+    fwd, step, a = _compiled_step(args.impl, ALIASES.get(args.op, args.op), shape)
     f = fwd if args.fwd else step
     for _ in range(3):
         jax.block_until_ready(f(*a))
