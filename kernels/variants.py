@@ -242,8 +242,8 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # program per SM). `grads_l2` 0.3725 / 0.3724 ms against `dqkvg_l2` + `wy_bwd_l2` 0.2822 + 0.3257 / 0.2828 + 0.3255
         # at 4,4096,16,128 / 2,8192,16,128, at K = 64 0.2799 against 0.1057 + 0.1630 at 8,2048,16,64 (bf16, H100, 2026-12-05,
         # ten launches a sample, interleaved); P's column sums through dkk's halves once warpgroup 2 has read them
-        # (`late_cols`, as the WY VJP), not as row sums of X^T T beside T^T X: 0.3694 against 0.3725 ms (the experiment
-        # `x_grads_l2_cols` then), the same bits
+        # (`late_cols`, as the WY VJP), not as row sums of X^T T beside T^T X: 0.3673 / 0.3684 against 0.3717 / 0.3714 ms
+        # (`x_grads_l2_xt`; H100, 2026-12-06), the same bits but dG's last places
         Program(name="grads", module="delta.grads", builder="chunk_delta_bwd_grads", outputs=("dq", "dk", "dv", "dg", "dbeta"),
                 config=(*G_ROWS, ("late_cols", True)), dims=(64, 128)),
         Program(name="grads_l2", module="delta.grads", builder="chunk_delta_bwd_grads", outputs=("dq", "dk", "dv", "dg", "dbeta"),
