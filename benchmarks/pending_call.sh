@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). After the twenty-ninth session (2026-12-05): the delta rules' consumer and WY VJP in one
-# program (`grads`, `grads_l2`) is dispatched at K = 128 as measured; `late_cols` (P's column sums through dkk's halves)
-# ran only as the experiment `x_grads_l2_cols` (K = 128, bf16: the same bits, 0.8 % faster): to take it, build it
-# into `grads` / `grads_l2` (variants.py config) and run this (Nsight Compute of `grads_l2`: 75 % of DRAM's bandwidth):
+# session for what is owed). After the thirtieth session (2026-12-06): nothing built is unmeasured (`late_cols` ran in
+# every build of the one program; GATE_SUM_DOT measured, off). Owed: the standing on the issues' device, an H200 (two
+# starts refused this session; the thirtieth section's numbers are an H100's), with fla's Triton ops beside (FLA=1:
+# its autotuning ~1-2 min an op and shape, TRITON_CACHE_AUTOTUNING=1), ~550 s:
 #
-#   B=fla_delta_bwd_bf16_k128_v128_c64
-#   PROGS="${B}_grads_l2 ${B}_x_grads_l2_cols ${B}_dqkvg_l2 ${B}_wy_bwd_l2" bash benchmarks/pending_call.sh prep
-#   OUT=$OUT FIRST="${B}_grads_l2" TT=200 SEL="delta and matches_float64 or experimental_programs and delta or grads" \
-#     PROGS=... NCU="${B}_grads_l2" BENCH=1 ALTS="two=-DELTA_GRADS_KERNEL" OPS=gdn,delta_rule \
-#     BSHAPES=4x4096x16x128,2x8192x16x128,8x2048x16x64 ROUNDS=3 TB=300 bash benchmarks/pending_call.sh
-#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~450 s of wall time)
+#   OUT=$OUT TT=1 SEL=zzz_none BENCH=1 ALTS= OPS=gdn,delta_rule,simple_gla BSHAPES=4x4096x16x128,2x8192x16x128,4x4096x8x256 \
+#     ROUNDS=2 TB=300 FLA=1 FLASHAPES=4x4096x16x128 TF=240 bash benchmarks/pending_call.sh
+#
+# And the lead for simple GLA's forward at D = 128 (1-3 % behind jla on the H100): why the in-kernel gate scan
+# (`x_fused_scan`, which would drop XLA's ~6 µs of glue) ran 15 % slower than `fused` with G's rows by TMA — Nsight
+# Compute of both (the loader's named barrier after the TMA issue, `__sync_thread_partial(3, 128)` in the lowered code,
+# couples the scanning warp to the TMA warp each chunk):
+#
+#   S=fla_simple_gla_fwd_bf16_k128_v128_c64
+#   PROGS="${S}_fused ${S}_x_fused_scan" bash benchmarks/pending_call.sh prep
+#   OUT=$OUT TT=1 SEL=zzz_none PROGS="${S}_fused ${S}_x_fused_scan" NCU="${S}_fused ${S}_x_fused_scan" bash benchmarks/pending_call.sh
+#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~150 s)
 #
 # The standing check after any kernel or glue change, with the ops timed beside jla at every issue shape:
 #
