@@ -8,6 +8,12 @@
 #   OUT=$OUT TT=1 SEL=zzz_none BENCH=1 ALTS= OPS=gdn,delta_rule,simple_gla BSHAPES=4x4096x16x128,2x8192x16x128,4x4096x8x256 \
 #     ROUNDS=2 TB=300 FLA=1 FLASHAPES=4x4096x16x128 TF=240 bash benchmarks/pending_call.sh
 #
+# The multi-GPU issue's one-GPU part (its demo's training step with the tilelang backend, tokens/s; the sharded tests
+# need 8 devices and skip on one), ~150 s; add to the call above or run alone:
+#
+#   OUT=$OUT TT=1 SEL=zzz_none DEMO="--steps 40 --batch 8 --seq-len 4096 --d-model 1024 --layers 4 --heads 8 --head-dim 128 \
+#     --log-every 10" bash benchmarks/pending_call.sh
+#
 # And the lead for simple GLA's forward at D = 128 (1-3 % behind jla on the H100): why the in-kernel gate scan
 # (`x_fused_scan`, which would drop XLA's ~6 µs of glue) ran 15 % slower than `fused` with G's rows by TMA — Nsight
 # Compute of both (the loader's named barrier after the TMA issue, `__sync_thread_partial(3, 128)` in the lowered code,
@@ -151,6 +157,11 @@ if [ -n "${FLA:-}" ]; then  # fla's Triton ops (its gated backward's check lifte
   TRITON_CACHE_AUTOTUNING=1 timeout ${TF:-240} python3 benchmarks/bench.py --ops ${FLAOPS:-${OPS:-gdn}} --shapes ${FLASHAPES:-4x4096x16x128} \
     --impls fla --lift-fla-check --json "$O/bench_fla.json" 2>&1 | grep -E "^\|" > "$O/bench_fla.txt"
   cat "$O/bench_fla.txt"
+  echo "t=${SECONDS}"
+fi
+if [ -n "${DEMO:-}" ]; then  # the demo's training loop on this one GPU (the multi-GPU issue's one-GPU baseline), DEMO its arguments
+  timeout ${TD:-240} python3 -m fla_jax.demo --backend tilelang $DEMO > "$O/demo.txt" 2>&1
+  grep -E "backend|step|done|Error" "$O/demo.txt" | tail -14
   echo "t=${SECONDS}"
 fi
 echo "done in ${SECONDS}s"
