@@ -154,6 +154,13 @@ def bench_jax_rounds(impls, op, shape, rounds):
 ALTERNATIVES: dict[str, str] = {}
 
 
+def add_alternatives(alts):
+    """`ALTERNATIVES` from `--alt NAME=SPEC` arguments (bench.py's, profile_op.py's)."""
+    for alt in alts:
+        name, _, spec = alt.partition("=")
+        ALTERNATIVES[name] = spec
+
+
 def _override(item: str, option: str):
     """`(op, direction, program), experiment` of an `op.direction.program=experiment` entry of `option`."""
     where, _, name = item.partition("=")
@@ -290,9 +297,7 @@ def main(argv=None):
     ap.add_argument("--experiments", default="",
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
-    for alt in args.alt:
-        name, _, spec = alt.partition("=")
-        ALTERNATIVES[name] = spec
+    add_alternatives(args.alt)
     from fla_jax import tilelang_backend
 
     for item in filter(None, args.experiments.split(",")):

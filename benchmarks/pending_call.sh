@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
 # session for what is owed). After the thirtieth session (2026-12-06): nothing built is unmeasured (`late_cols` ran in
-# every build of the one program; GATE_SUM_DOT measured, off). Owed: the standing on the issues' device, an H200 (two
-# starts refused this session; the thirtieth section's numbers are an H100's), with fla's Triton ops beside (FLA=1:
+# every build of the one program; GATE_SUM_DOT measured, off). Owed: the standing on the issues' device, an H200 (refused
+# at all six askings this session; the thirtieth section's numbers are an H100's), with fla's Triton ops beside (FLA=1:
 # its autotuning ~1-2 min an op and shape, TRITON_CACHE_AUTOTUNING=1), ~550 s:
 #
 #   OUT=$OUT TT=1 SEL=zzz_none BENCH=1 ALTS= OPS=gdn,delta_rule,simple_gla BSHAPES=4x4096x16x128,2x8192x16x128,4x4096x8x256 \

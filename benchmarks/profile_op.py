@@ -17,7 +17,7 @@ import pathlib
 import tempfile
 
 import jax
-from bench import ALIASES, ALTERNATIVES, _compiled_step
+from bench import ALIASES, _compiled_step, add_alternatives
 
 
 def device_events(path: pathlib.Path):
@@ -46,9 +46,7 @@ def main():
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
                     help="as bench.py's: tilelang configured otherwise, profiled as --impl fla_jax:tilelang@NAME")
     args = ap.parse_args()
-    for alt in args.alt:
-        name, _, spec = alt.partition("=")
-        ALTERNATIVES[name] = spec
+    add_alternatives(args.alt)
     shape = tuple(int(n) for n in args.shape.split("x"))
     # (bench.py's names too: gdn, delta; `fla_jax:tilelang@NAME` traced as --alt NAME=SPEC configures it)
     fwd, step, a = _compiled_step(args.impl, ALIASES.get(args.op, args.op), shape)

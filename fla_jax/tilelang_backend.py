@@ -221,10 +221,10 @@ def _in_chunk_cumsum(g, C: int, reverse: bool = False):
     """The cumulative sum of the per-step gates within each chunk of `C` rows (axis 1 of chunk rows
     `[B, NT * C, H]`, or axis 0 of flat ones `[NT * C, H]`); `reverse`: from each chunk's end (the
     sum's VJP). Under GATE_SUM_DOT a matrix product (`_in_chunk_rows`)."""
-    axis = 1 if g.ndim == 3 else 0
-    x = g.reshape(*g.shape[:axis], -1, C, *g.shape[axis + 1 :])
     if GATE_SUM_DOT:
         return jnp.swapaxes(_in_chunk_rows(g, C, reverse), -1, -2).reshape(g.shape)
+    axis = 1 if g.ndim == 3 else 0
+    x = g.reshape(*g.shape[:axis], -1, C, *g.shape[axis + 1 :])
     if reverse:
         return jnp.flip(jnp.cumsum(jnp.flip(x, axis + 1), axis=axis + 1), axis + 1).reshape(g.shape)
     return jnp.cumsum(x, axis=axis + 1).reshape(g.shape)
@@ -419,7 +419,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     gate_rows = lambda: _gate_rows(Gf, C) if rows0 is None else rows0
     dt = qf.dtype
     NT = qf.shape[0] // C
-    wy, grows = (), None
+    wy, grows = (), rows0  # (G's rows where formed: for the programs that load them, and the backward's)
     if p.delta and K in DELTA_FWD_INVERSE and not store_h:  # T0, and a state pass that forms v_new from it
         targets = _targets(p, "fwd", K, V)
         t0 = jax.ShapeDtypeStruct((NT, HV, C, C), dt)
@@ -457,7 +457,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         name = "fused_h" if store_h else "fused"
         if grows is None and store_rows:  # (XLA's transpose, for this pass and the backward's)
             grows = gate_rows()
-        ins, extra = (qf, kf, *wy[:2], _gates_for(p, "fwd", K, name, Gf, C, grows if grows is not None else rows0)), (_like(vf),)  # extra result: v_new
+        ins, extra = (qf, kf, *wy[:2], _gates_for(p, "fwd", K, name, Gf, C, grows)), (_like(vf),)  # extra result: v_new
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
     elif p.op == "gla":  # the intra-chunk matrix, G (both kept) and q exp(G), k exp(G_C - G) for the state pass
@@ -469,8 +469,9 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         # gates per step where it sums them itself (`g_scan`)
         name = "fused_h" if store_h else "fused"
         scan = not store_h and _config(p, "fwd", K, name).get("g_scan")
-        grows = gate_rows() if store_rows else None  # (for this pass and the backward's)
-        ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C, grows if grows is not None else rows0)), ()
+        if store_rows:  # (for this pass and the backward's)
+            grows = gate_rows()
+        ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C, grows)), ()
         pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
         if pieces > 1:
             return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, gate_rows(), B, C)
