@@ -29,12 +29,12 @@ from fla_jax.layers import GatedDeltaNet, GatedLinearAttention
 
 
 class Block(nnx.Module):
-    def __init__(self, d: int, layer: str, heads: int, head_dim: int, backend: str, *, rngs: nnx.Rngs):
-        self.norm1, self.norm2 = nnx.RMSNorm(d, rngs=rngs), nnx.RMSNorm(d, rngs=rngs)
+    def __init__(self, d: int, layer: str, heads: int, head_dim: int, backend: str, *, dtype=None, rngs: nnx.Rngs):
+        self.norm1, self.norm2 = nnx.RMSNorm(d, dtype=dtype, rngs=rngs), nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         cls = GatedDeltaNet if layer == "gdn" else GatedLinearAttention
-        self.attn = cls(d, heads, head_dim, backend=backend, rngs=rngs)
-        self.up = nnx.Linear(d, 2 * 2 * d, use_bias=False, rngs=rngs)  # SwiGLU, hidden 2 d
-        self.down = nnx.Linear(2 * d, d, use_bias=False, rngs=rngs)
+        self.attn = cls(d, heads, head_dim, backend=backend, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(d, 2 * 2 * d, use_bias=False, dtype=dtype, rngs=rngs)  # SwiGLU, hidden 2 d
+        self.down = nnx.Linear(2 * d, d, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         x = x + self.attn(self.norm1(x))
@@ -43,11 +43,15 @@ class Block(nnx.Module):
 
 
 class LanguageModel(nnx.Module):
-    def __init__(self, vocab: int, d: int, layers: int, layer: str, heads: int, head_dim: int, backend: str, *, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(vocab, d, rngs=rngs)
-        self.blocks = nnx.List([Block(d, layer, heads, head_dim, backend, rngs=rngs) for _ in range(layers)])
-        self.norm = nnx.RMSNorm(d, rngs=rngs)
-        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+    """Parameters in float32; activations in `dtype` (None: float32)."""
+
+    def __init__(
+        self, vocab: int, d: int, layers: int, layer: str, heads: int, head_dim: int, backend: str, *, dtype=None, rngs: nnx.Rngs
+    ):
+        self.embed = nnx.Embed(vocab, d, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([Block(d, layer, heads, head_dim, backend, dtype=dtype, rngs=rngs) for _ in range(layers)])
+        self.norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens):
         x = self.embed(tokens)
@@ -114,6 +118,8 @@ def main(argv=None):
     ap.add_argument("--layer", choices=("gdn", "gla"), default="gdn")
     ap.add_argument("--heads-parallel", type=int, default=1, help="devices to split the heads over")
     ap.add_argument("--backend", default="auto", choices=("auto", "xla", "reference", "tilelang"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="activations' dtype (parameters stay float32); auto: bfloat16 where the TileLang kernels run, else float32")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
@@ -130,11 +136,15 @@ def main(argv=None):
     mesh = jax.make_mesh((dp, tp), ("data", "model"), axis_types=(auto, auto))
     data_sharding = NamedSharding(mesh, P("data"))
     op = "gated_delta_rule" if args.layer == "gdn" else "gla"
-    problem = Problem(op=op, delta=args.layer == "gdn", chunk_size=64, dtype="float32")
-    backend = resolve_name(
-        args.backend, problem, K=args.head_dim, V=args.head_dim, varlen=False, grouped=False, l2norm=args.layer == "gdn"
-    )
-    print(f"fla_jax demo: {args.layers} x {args.layer} layers, d_model {args.d_model}, {args.heads} heads of {args.head_dim}")
+    call = dict(K=args.head_dim, V=args.head_dim, varlen=False, grouped=False, l2norm=args.layer == "gdn")
+    dtype = args.dtype
+    if dtype == "auto":
+        kernels = Problem(op=op, delta=args.layer == "gdn", chunk_size=64, dtype="bfloat16")
+        dtype = "bfloat16" if args.backend in ("auto", "tilelang") and resolve_name("auto", kernels, **call) == "tilelang" else "float32"
+    problem = Problem(op=op, delta=args.layer == "gdn", chunk_size=64, dtype=dtype)
+    backend = resolve_name(args.backend, problem, **call)
+    print(f"fla_jax demo: {args.layers} x {args.layer} layers, d_model {args.d_model}, {args.heads} heads of {args.head_dim}, "
+          f"activations in {dtype}")
     print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}), {dp} data x {tp} heads parallel; "
           f"op backend: {backend}")
     for status in fla_jax.backends().values():
@@ -144,12 +154,17 @@ def main(argv=None):
     print(f"data: sparse Markov chain over {args.vocab} tokens; loss starts near {math.log(args.vocab):.2f}, floor {floor:.2f} nats")
 
     model = LanguageModel(
-        args.vocab, args.d_model, args.layers, args.layer, args.heads, args.head_dim, args.backend, rngs=nnx.Rngs(args.seed)
+        args.vocab, args.d_model, args.layers, args.layer, args.heads, args.head_dim, args.backend,
+        dtype=jnp.dtype(dtype), rngs=nnx.Rngs(args.seed),
     )
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, jax.tree_util.tree_map_with_path(lambda path, _: param_sharding(mesh, path), state)))
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 5 + 1), max(args.steps, 2))
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
+    # the moments follow their parameters; the counts go onto the mesh too (left uncommitted, the
+    # second step would see them come back sharded and compile the step again)
+    opt_state = nnx.state(optimizer)
+    nnx.update(optimizer, jax.device_put(opt_state, jax.tree_util.tree_map_with_path(lambda path, _: param_sharding(mesh, path), opt_state)))
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
@@ -165,22 +180,31 @@ def main(argv=None):
     key = jax.random.key(args.seed + 1)
     tokens_per_step = args.batch * args.seq_len
     t_start = time.perf_counter()
-    t_timed, timed_steps, first_loss, loss = None, 0, None, None
+    step_times, first_loss, loss = [], None, None
     for step in range(1, args.steps + 1):
         key, sub = jax.random.split(key)
-        loss = float(train_step(model, optimizer, make_batch(sub)))
+        tokens = make_batch(sub).block_until_ready()  # sampling the chain (a scan over time) is not timed
+        t0 = time.perf_counter()
+        loss = float(train_step(model, optimizer, tokens))
         if first_loss is None:
-            first_loss = loss
-            t_timed = time.perf_counter()  # the first step includes compilation
-            print(f"step {step:4d}  loss {loss:.3f}  (compiled in {t_timed - t_start:.1f}s)", flush=True)
+            first_loss = loss  # the first step includes compilation
+            print(f"step {step:4d}  loss {loss:.3f}  (compiled in {time.perf_counter() - t_start:.1f}s)", flush=True)
             continue
-        timed_steps += 1
+        step_times.append(time.perf_counter() - t0)
         if step % args.log_every == 0 or step == args.steps:
-            rate = timed_steps * tokens_per_step / (time.perf_counter() - t_timed)
-            print(f"step {step:4d}  loss {loss:.3f}  {rate:,.0f} tokens/s", flush=True)
+            print(f"step {step:4d}  loss {loss:.3f}  {_speed(step_times, tokens_per_step, len(devices))}", flush=True)
     total = time.perf_counter() - t_start
     print(f"done: loss {first_loss:.3f} -> {loss:.3f} (floor {floor:.2f}) in {total:.1f}s with backend {backend}")
+    if step_times:
+        print(f"training steps: {_speed(step_times, tokens_per_step, len(devices))}")
     return first_loss, loss
+
+
+def _speed(step_times: list[float], tokens_per_step: int, devices: int) -> str:
+    """Tokens/s over the steps timed so far (each step from its dispatch to its loss on the host), per
+    device, and the median step."""
+    rate = len(step_times) * tokens_per_step / sum(step_times)
+    return f"{rate:,.0f} tokens/s ({rate / devices:,.0f} per device), median step {1e3 * float(np.median(step_times)):.1f} ms"
 
 
 if __name__ == "__main__":

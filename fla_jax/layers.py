@@ -1,7 +1,9 @@
 """Flax NNX layers built on the ops, shaped as fla's `GatedDeltaNet` and `GatedLinearAttention`.
 
 Both take `x [B, T, D]` and return `[B, T, D]`; with `cu_seqlens` (B = 1, packed sequences) the
-short convolutions and the recurrence restart at every sequence boundary.
+short convolutions and the recurrence restart at every sequence boundary. `dtype` is the
+projections' compute dtype (parameters stay float32): `jnp.bfloat16` for mixed-precision training,
+which is what the TileLang kernels take (they are built for bfloat16 and float16 only).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class ShortConvolution(nnx.Module):
     def __init__(self, dim: int, kernel_size: int = 4, *, rngs: nnx.Rngs):
         self.kernel_size = kernel_size
         bound = kernel_size**-0.5
-        self.weight = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, dim), minval=-bound, maxval=bound))
+        self.weight = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, dim), jnp.float32, -bound, bound))
 
     def __call__(self, x: jax.Array, pos: jax.Array) -> jax.Array:
         T = x.shape[1]
@@ -45,7 +47,7 @@ class GatedRMSNorm(nnx.Module):
     """`rmsnorm(o) * silu(gate)` over the last axis, fla's `FusedRMSNormGated`."""
 
     def __init__(self, dim: int, eps: float = 1e-5, *, rngs: nnx.Rngs):
-        self.scale = nnx.Param(jnp.ones((dim,)))
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
         self.eps = eps
 
     def __call__(self, o: jax.Array, gate: jax.Array) -> jax.Array:
@@ -68,13 +70,14 @@ class GatedDeltaNet(nnx.Module):
         expand_v: int = 1,
         conv_size: int = 4,
         backend: str = "auto",
+        dtype=None,
         rngs: nnx.Rngs,
     ):
         self.H, self.K = num_heads, head_dim
         self.HV = num_v_heads or num_heads
         self.V = head_dim * expand_v
         self.backend = backend
-        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
         self.q_proj, self.k_proj = lin(d_model, self.H * self.K), lin(d_model, self.H * self.K)
         self.v_proj = lin(d_model, self.HV * self.V)
         self.a_proj, self.b_proj = lin(d_model, self.HV), lin(d_model, self.HV)
@@ -84,8 +87,8 @@ class GatedDeltaNet(nnx.Module):
         self.k_conv = ShortConvolution(self.H * self.K, conv_size, rngs=rngs)
         self.v_conv = ShortConvolution(self.HV * self.V, conv_size, rngs=rngs)
         # Mamba-2 style decay: g = -exp(A_log) * softplus(a + dt_bias), A in [1, 16].
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.HV,), minval=1.0, maxval=16.0)))
-        dt = jnp.exp(jax.random.uniform(rngs.params(), (self.HV,)) * (jnp.log(0.1) - jnp.log(0.001)) + jnp.log(0.001))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.HV,), jnp.float32, 1.0, 16.0)))
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (self.HV,), jnp.float32) * (jnp.log(0.1) - jnp.log(0.001)) + jnp.log(0.001))
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
         self.o_norm = GatedRMSNorm(self.V, rngs=rngs)
 
@@ -121,12 +124,13 @@ class GatedLinearAttention(nnx.Module):
         gate_low_rank_dim: int = 16,
         gate_logit_normalizer: float = 16.0,
         backend: str = "auto",
+        dtype=None,
         rngs: nnx.Rngs,
     ):
         self.H, self.K, self.V = num_heads, head_dim, head_dim * expand_v
         self.normalizer = gate_logit_normalizer
         self.backend = backend
-        lin = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
+        lin = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, rngs=rngs)
         self.q_proj, self.k_proj = lin(d_model, self.H * self.K), lin(d_model, self.H * self.K)
         self.v_proj = lin(d_model, self.H * self.V)
         self.gk_down, self.gk_up = lin(d_model, gate_low_rank_dim), lin(gate_low_rank_dim, self.H * self.K, True)

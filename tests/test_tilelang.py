@@ -1010,3 +1010,31 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeyp
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]
     assert kernels(fwd) == names[:2]
     assert sorted(kernels(both)) == sorted(names[2:])
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "gla"])
+def test_tilelang_layers_train_as_xla_does(name, monkeypatch):
+    """The Flax layers with bf16 activations on the kernels: output and every parameter's gradient
+    as with the XLA backend (the same float32 parameters), NaN-poisoned outputs."""
+    from flax import nnx
+
+    from fla_jax.layers import GatedDeltaNet, GatedLinearAttention
+
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    build = {"gdn": lambda b: GatedDeltaNet(256, 2, 128, num_v_heads=4, backend=b, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+             "gla": lambda b: GatedLinearAttention(256, 2, 128, backend=b, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))}[name]
+    x = jax.random.normal(jax.random.key(5), (2, 300, 256), jnp.bfloat16)
+    cu = jnp.asarray([0, 100, 101, 600], jnp.int32)
+    res = {}
+    for b in ("xla", "tilelang"):
+        layer = build(b)
+        loss = lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2) + jnp.sum(m(x.reshape(1, 600, 256), cu_seqlens=cu).astype(jnp.float32) ** 2)
+        res[b] = jax.jit(lambda m: (m(x), nnx.grad(loss)(m)))(layer)
+    (y, g), (yt, gt) = res["xla"], res["tilelang"]
+    errs = {"o": err_ratio(y.astype(jnp.float32), yt)}
+    leaves, leaves_t = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g)), jax.tree.leaves(nnx.to_pure_dict(gt))
+    errs |= {jax.tree_util.keystr(path): err_ratio(a, b) for (path, a), b in zip(leaves, leaves_t)}
+    print(name, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert len(errs) > 8 and all(e < 2e-2 for e in errs.values()), errs
