@@ -136,7 +136,7 @@ def main(argv=None):
     mesh = jax.make_mesh((dp, tp), ("data", "model"), axis_types=(auto, auto))
     data_sharding = NamedSharding(mesh, P("data"))
     op = "gated_delta_rule" if args.layer == "gdn" else "gla"
-    call = dict(K=args.head_dim, V=args.head_dim, varlen=False, grouped=False, l2norm=args.layer == "gdn")
+    call = {"K": args.head_dim, "V": args.head_dim, "varlen": False, "grouped": False, "l2norm": args.layer == "gdn"}
     dtype = args.dtype
     if dtype == "auto":
         kernels = Problem(op=op, delta=args.layer == "gdn", chunk_size=64, dtype="bfloat16")

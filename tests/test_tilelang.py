@@ -1027,10 +1027,10 @@ def test_tilelang_layers_train_as_xla_does(name, monkeypatch):
              "gla": lambda b: GatedLinearAttention(256, 2, 128, backend=b, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))}[name]
     x = jax.random.normal(jax.random.key(5), (2, 300, 256), jnp.bfloat16)
     cu = jnp.asarray([0, 100, 101, 600], jnp.int32)
+    loss = lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2) + jnp.sum(m(x.reshape(1, 600, 256), cu_seqlens=cu).astype(jnp.float32) ** 2)
     res = {}
     for b in ("xla", "tilelang"):
         layer = build(b)
-        loss = lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2) + jnp.sum(m(x.reshape(1, 600, 256), cu_seqlens=cu).astype(jnp.float32) ** 2)
         res[b] = jax.jit(lambda m: (m(x), nnx.grad(loss)(m)))(layer)
     (y, g), (yt, gt) = res["xla"], res["tilelang"]
     errs = {"o": err_ratio(y.astype(jnp.float32), yt)}
@@ -1038,3 +1038,67 @@ def test_tilelang_layers_train_as_xla_does(name, monkeypatch):
     errs |= {jax.tree_util.keystr(path): err_ratio(a, b) for (path, a), b in zip(leaves, leaves_t)}
     print(name, {n: f"{e:.1e}" for n, e in errs.items()})
     assert len(errs) > 8 and all(e < 2e-2 for e in errs.values()), errs
+
+
+GPUS = [d for d in jax.devices() if d.platform == "gpu"]
+SHARDED_GPU_CASES = [
+    Case("simple_gla", 4, 1000, 4, 128, 128, dtype="bfloat16", h0=True),
+    Case("gla", 4, 500, 4, 128, 128, dtype="bfloat16", h0=True),
+    Case("delta_rule", 4, 700, 4, 128, 128, dtype="bfloat16", h0=True, l2norm=True),
+    Case("gated_delta_rule", 4, 700, 4, 128, 128, HV=8, dtype="bfloat16", h0=True, l2norm=True),
+    Case("gated_delta_rule", 1, 1500, 4, 128, 128, HV=8, dtype="bfloat16", h0=True, cu=(0, 400, 400, 1500)),
+]
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs 2 GPUs (the multi-GPU issue)")
+@pytest.mark.parametrize("layout", ["batch", "heads", "both"])
+@pytest.mark.parametrize("case", SHARDED_GPU_CASES, ids=str)
+def test_tilelang_sharded_over_gpus(case, layout):
+    """The kernels under jit over several GPUs with the batch, the heads or both split: no
+    collective in the compiled forward or gradient (q, k, v never gathered), the kernels in it, the
+    outputs and every gradient as on one GPU, the shardings as asked."""
+    import pathlib
+    import tempfile
+
+    from jax.sharding import AxisType, NamedSharding
+    from test_sharding import COLLECTIVES, _spec, _specs
+
+    n = len(GPUS)
+    if layout == "both" and n < 4:
+        pytest.skip("batch and heads both split need 4 GPUs")
+    if layout == "batch" and case.cu is not None:
+        pytest.skip("packed sequences (B = 1) split by heads only")
+    shape = {"batch": (n, 1), "heads": (1, n), "both": (2, n // 2)}[layout]
+    op, kw = OPS[case.op], static_kwargs(case)
+    fwd = lambda d: op(**d, **kw, backend="tilelang")
+    grad = jax.grad(lambda d: sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) for x in fwd(d)))
+    diff, _ = make_inputs(case, 17)
+    one = {k: jax.device_put(x, GPUS[0]) for k, x in diff.items()}
+    want = (jax.jit(fwd)(one), jax.jit(grad)(one))
+    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=GPUS[: shape[0] * shape[1]])
+    batch = None if case.cu is not None or shape[0] == 1 else "data"
+    heads = "model" if shape[1] > 1 else None
+    specs = _specs(case, diff, batch, heads)
+    with jax.set_mesh(mesh):
+        sdiff = {k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in diff.items()}
+        jf, jg = jax.jit(fwd), jax.jit(grad)
+        for fn in (jf, jg):
+            hlo = fn.lower(sdiff).compile().as_text()
+            assert not re.findall(COLLECTIVES, hlo), sorted(set(re.findall(COLLECTIVES, hlo)))
+            assert re.search(r'custom_call_target="fla_', hlo)
+        (o, ht), g = jf(sdiff), jg(sdiff)
+        with tempfile.TemporaryDirectory() as tmp:  # and in a profile of the gradient: no collective kernel ran
+            with jax.profiler.trace(tmp):
+                jax.block_until_ready(jg(sdiff))
+            data = jax.profiler.ProfileData.from_file(str(next(pathlib.Path(tmp).rglob("*.xplane.pb"))))
+        ran = {ev.name for plane in data.planes if plane.name.startswith("/device:GPU") for line in plane.lines for ev in line.events}
+        assert "main_kernel" in ran and not [k for k in ran if re.search(r"nccl|gather|all.?reduce|all.?to.?all|permute", k, re.IGNORECASE)], ran
+    (o0, ht0), g0 = want
+    errs = {"o": err_ratio(o0.astype(jnp.float32), o), "ht": err_ratio(ht0, ht)} | {k: err_ratio(g0[k].astype(jnp.float32), g[k]) for k in g0}
+    print(case, layout, {k: f"{e:.1e}" for k, e in errs.items()})
+    assert all(e < 2e-3 for e in errs.values()), errs
+    assert _spec(o) == (batch, None, heads, None) and _spec(ht) == (batch, heads, None, None)
+    for k, gx in g.items():
+        assert _spec(gx) == tuple(specs[k]) + (None,) * (gx.ndim - len(specs[k])), k
