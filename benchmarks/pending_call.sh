@@ -1,28 +1,14 @@
 #!/usr/bin/env bash
 # The GPU call that checks and times what the code has built but not yet measured (rewritten each
-# session for what is owed). After the thirtieth session (2026-12-06): nothing built is unmeasured (`late_cols` ran in
-# every build of the one program; GATE_SUM_DOT measured, off). Owed: the standing on the issues' device, an H200 (refused
-# at all six askings this session; the thirtieth section's numbers are an H100's), with fla's Triton ops beside (FLA=1:
-# its autotuning ~1-2 min an op and shape, TRITON_CACHE_AUTOTUNING=1), ~550 s:
+# session for what is owed). After the thirty-first session (2026-12-06): nothing built is unmeasured (the demo's
+# one-GPU run and Nsight Compute of `x_fused_scan` are in RESULTS.md). Owed: the standing on the issues' device, an
+# H200 (refused at every asking in the thirtieth and thirty-first sessions; their numbers are an H100's), with fla's
+# Triton ops beside (FLA=1: its autotuning ~1-2 min an op and shape, TRITON_CACHE_AUTOTUNING=1), ~550 s:
 #
 #   OUT=$OUT TT=1 SEL=zzz_none BENCH=1 ALTS= OPS=gdn,delta_rule,simple_gla BSHAPES=4x4096x16x128,2x8192x16x128,4x4096x8x256 \
 #     ROUNDS=2 TB=300 FLA=1 FLASHAPES=4x4096x16x128 TF=240 bash benchmarks/pending_call.sh
 #
-# The multi-GPU issue's one-GPU part (its demo's training step with the tilelang backend, tokens/s; the sharded tests
-# need 8 devices and skip on one), ~150 s; add to the call above or run alone:
-#
-#   OUT=$OUT TT=1 SEL=zzz_none DEMO="--steps 40 --batch 8 --seq-len 4096 --d-model 1024 --layers 4 --heads 8 --head-dim 128 \
-#     --log-every 10" bash benchmarks/pending_call.sh
-#
-# And the lead for simple GLA's forward at D = 128 (1-3 % behind jla on the H100): why the in-kernel gate scan
-# (`x_fused_scan`, which would drop XLA's ~6 µs of glue) ran 15 % slower than `fused` with G's rows by TMA — Nsight
-# Compute of both (the loader's named barrier after the TMA issue, `__sync_thread_partial(3, 128)` in the lowered code,
-# couples the scanning warp to the TMA warp each chunk):
-#
-#   S=fla_simple_gla_fwd_bf16_k128_v128_c64
-#   PROGS="${S}_fused ${S}_x_fused_scan" bash benchmarks/pending_call.sh prep
-#   OUT=$OUT TT=1 SEL=zzz_none PROGS="${S}_fused ${S}_x_fused_scan" NCU="${S}_fused ${S}_x_fused_scan" bash benchmarks/pending_call.sh
-#   (carry .whl, fla_jax/_ext.abi3.so and .prof; ~150 s)
+# The multi-GPU issue's run, on a kind of 2 or more GPUs (none lent so far): benchmarks/multi_gpu.sh (its header).
 #
 # The standing check after any kernel or glue change, with the ops timed beside jla at every issue shape:
 #
