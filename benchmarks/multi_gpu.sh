@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The multi-GPU issue's run, on every GPU of the machine (one GPU: the parts that run on one):
 #   1. the kernels sharded over the GPUs (batch, heads, both) against one GPU, with no collective in
-#      the compiled HLO nor in a profile (tests/test_tilelang.py -k sharded_over_gpus; skips on one GPU);
+#      the compiled HLO nor in a profile (tests/test_tilelang.py -k sharded_over_gpus; skips on one GPU),
+#      and the demo's step compiled over them with no gather (tests/test_layers.py -k gathers_nothing);
 #   2. the demo's training step on 1 GPU and, with the global batch scaled, on all of them (weak
 #      scaling: tokens/s per GPU, the ratio to one GPU's).
 #
@@ -19,6 +20,9 @@ n=$(nvidia-smi -L | wc -l)
 timeout "${TT:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tilelang.py -s -k "sharded_over_gpus or layers_train" \
   > "$O/sharded_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" "$O/sharded_tests.log" | head -20
+# the demo's step compiled over all the GPUs (data parallel, heads split in two): all-reduces only
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_layers.py -k "gathers_nothing" > "$O/demo_hlo.log" 2>&1
+grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" "$O/demo_hlo.log" | head -8
 echo "t=${SECONDS}"
 DEMO=${DEMO:---steps 40 --batch 8 --seq-len 4096 --d-model 1024 --layers 4 --heads 8 --head-dim 128 --log-every 10}
 per_gpu_batch=$(echo "$DEMO" | grep -oE -- "--batch [0-9]+" | awk '{print $2}')

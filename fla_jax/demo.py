@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +107,7 @@ def sample(key, logP, batch: int, T: int):
     return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
-def main(argv=None):
+def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
@@ -123,8 +125,21 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+class Setup(NamedTuple):
+    mesh: jax.sharding.Mesh
+    model: LanguageModel
+    optimizer: nnx.Optimizer
+    train_step: Callable  # (model, optimizer, tokens [batch, seq_len + 1]) -> loss; updates both in place
+    make_batch: Callable  # key -> tokens, sharded over the data axis
+    floor: float  # the chain's entropy rate: the lowest loss reachable
+    backend: str  # the backend the ops resolve to
+
+
+def setup(args: argparse.Namespace) -> Setup:
+    """The mesh, the model and optimizer placed on it, the jitted step and the data."""
     devices = jax.devices()
     tp = args.heads_parallel
     if len(devices) % tp or args.heads % tp:
@@ -177,6 +192,13 @@ def main(argv=None):
         return loss
 
     make_batch = jax.jit(lambda key: sample(key, logP, args.batch, args.seq_len + 1), out_shardings=data_sharding)
+    return Setup(mesh, model, optimizer, train_step, make_batch, floor, backend)
+
+
+def main(argv=None):
+    args = parse(argv)
+    mesh, model, optimizer, train_step, make_batch, floor, backend = setup(args)
+    devices = mesh.devices.size
     key = jax.random.key(args.seed + 1)
     tokens_per_step = args.batch * args.seq_len
     t_start = time.perf_counter()
@@ -192,11 +214,11 @@ def main(argv=None):
             continue
         step_times.append(time.perf_counter() - t0)
         if step % args.log_every == 0 or step == args.steps:
-            print(f"step {step:4d}  loss {loss:.3f}  {_speed(step_times, tokens_per_step, len(devices))}", flush=True)
+            print(f"step {step:4d}  loss {loss:.3f}  {_speed(step_times, tokens_per_step, devices)}", flush=True)
     total = time.perf_counter() - t_start
     print(f"done: loss {first_loss:.3f} -> {loss:.3f} (floor {floor:.2f}) in {total:.1f}s with backend {backend}")
     if step_times:
-        print(f"training steps: {_speed(step_times, tokens_per_step, len(devices))}")
+        print(f"training steps: {_speed(step_times, tokens_per_step, devices)}")
     return first_loss, loss
 
 

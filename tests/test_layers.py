@@ -108,3 +108,18 @@ def test_demo_param_sharding_splits_heads():
     assert attn["o_proj"]["kernel"].get_value() == jax.sharding.PartitionSpec("model", None)
     assert attn["A_log"].get_value() == jax.sharding.PartitionSpec("model")
     assert specs["embed"]["embedding"].get_value() == jax.sharding.PartitionSpec()
+
+
+@pytest.mark.skipif(len(jax.devices()) % 2, reason="needs an even number of devices")
+@pytest.mark.parametrize("heads_parallel", [1, 2])
+def test_demo_step_gathers_nothing(heads_parallel):
+    """The demo's compiled training step on every device (8 host devices here: a 4 x 2 or 8 x 1
+    mesh; on GPUs, with the kernels, benchmarks/multi_gpu.sh): all-reduces only (the
+    gradients over the data axis; with heads split, the output projection's rows too), no gather,
+    all-to-all or permutation of activations such as q, k and v."""
+    import re
+
+    s = demo.setup(demo.parse(["--batch", "8", "--heads", "4", "--heads-parallel", str(heads_parallel)]))
+    hlo = s.train_step.lower(s.model, s.optimizer, s.make_batch(jax.random.key(0))).compile().as_text()
+    found = re.findall(r" (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
+    assert found and set(found) == {"all-reduce"}, sorted(found)
