@@ -52,6 +52,19 @@ def _fns(case):
     return fwd, jax.grad(loss)
 
 
+def jit_without_collectives(mesh, specs, diff, fwd, grad, must_call=None):
+    """`(sdiff, jf, jg)`: `diff` placed on `mesh` by `specs`, the forward and gradient jitted, their
+    compiled HLO checked for collectives (none) and, with `must_call`, for that pattern (the kernels'
+    custom calls). Under `jax.set_mesh(mesh)`."""
+    sdiff = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in diff.items()}
+    jf, jg = jax.jit(fwd), jax.jit(grad)
+    for fn in (jf, jg):
+        hlo = fn.lower(sdiff).compile().as_text()
+        assert not re.findall(COLLECTIVES, hlo), sorted(set(re.findall(COLLECTIVES, hlo)))
+        assert must_call is None or re.search(must_call, hlo), must_call
+    return sdiff, jf, jg
+
+
 def _compare(case, got, want):
     (o, ht), g = got
     (o0, ht0), g0 = want
@@ -71,11 +84,7 @@ def test_batch_and_head_sharding_without_gathers(case, mode):
     batch = None if case.cu is not None else "data"
     specs = _specs(case, diff, batch, "model")
     with jax.set_mesh(mesh):
-        sdiff = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in diff.items()}
-        jf, jg = jax.jit(fwd), jax.jit(grad)
-        for fn in (jf, jg):
-            hlo = fn.lower(sdiff).compile().as_text()
-            assert not re.findall(COLLECTIVES, hlo), sorted(set(re.findall(COLLECTIVES, hlo)))
+        sdiff, jf, jg = jit_without_collectives(mesh, specs, diff, fwd, grad)
         got = (jf(sdiff), jg(sdiff))
     _compare(case, got, want)
     o, ht = got[0]
