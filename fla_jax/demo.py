@@ -155,7 +155,8 @@ def setup(args: argparse.Namespace) -> Setup:
     dtype = args.dtype
     if dtype == "auto":
         kernels = Problem(op=op, delta=args.layer == "gdn", chunk_size=64, dtype="bfloat16")
-        dtype = "bfloat16" if args.backend in ("auto", "tilelang") and resolve_name("auto", kernels, **call) == "tilelang" else "float32"
+        takes = args.backend == "tilelang" or (args.backend == "auto" and resolve_name("auto", kernels, **call) == "tilelang")
+        dtype = "bfloat16" if takes else "float32"  # (named, the kernels' own error says why they cannot run)
     problem = Problem(op=op, delta=args.layer == "gdn", chunk_size=64, dtype=dtype)
     backend = resolve_name(args.backend, problem, **call)
     print(f"fla_jax demo: {args.layers} x {args.layer} layers, d_model {args.d_model}, {args.heads} heads of {args.head_dim}, "
