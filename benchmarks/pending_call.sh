@@ -145,15 +145,4 @@ if [ -n "${FLA:-}" ]; then  # fla's Triton ops (its gated backward's check lifte
   cat "$O/bench_fla.txt"
   echo "t=${SECONDS}"
 fi
-if [ -n "${DEMO:-}" ]; then  # the demo's training loop on this one GPU (the multi-GPU issue's one-GPU baseline), DEMO its arguments;
-  # DEMOX: the same loop again with the XLA backend (bf16 activations too), its arguments after DEMO's (e.g. fewer steps)
-  timeout ${TD:-240} python3 -m fla_jax.demo --backend tilelang --dtype bfloat16 $DEMO > "$O/demo.txt" 2>&1
-  grep -E "activations|backend|step|done|Error" "$O/demo.txt" | tail -14
-  echo "t=${SECONDS}"
-  if [ -n "${DEMOX:-}" ]; then
-    timeout ${TDX:-240} python3 -m fla_jax.demo --backend xla --dtype bfloat16 $DEMO $DEMOX > "$O/demo_xla.txt" 2>&1
-    grep -E "step|done|Error" "$O/demo_xla.txt" | tail -8
-    echo "t=${SECONDS}"
-  fi
-fi
 echo "done in ${SECONDS}s"

@@ -79,6 +79,13 @@ def param_sharding(mesh, path) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def place(mesh, module: nnx.Module) -> None:
+    """Puts `module`'s state on `mesh` as `param_sharding` says of each path (an optimizer's moments
+    carry their parameters' paths, so they follow them)."""
+    state = nnx.state(module)
+    nnx.update(module, jax.device_put(state, jax.tree_util.tree_map_with_path(lambda path, _: param_sharding(mesh, path), state)))
+
+
 def markov_chain(vocab: int, successors: int, seed: int):
     """A sparse transition matrix and its entropy rate (nats per token)."""
     rng = np.random.default_rng(seed)
@@ -173,14 +180,12 @@ def setup(args: argparse.Namespace) -> Setup:
         args.vocab, args.d_model, args.layers, args.layer, args.heads, args.head_dim, args.backend,
         dtype=jnp.dtype(dtype), rngs=nnx.Rngs(args.seed),
     )
-    state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, jax.tree_util.tree_map_with_path(lambda path, _: param_sharding(mesh, path), state)))
+    place(mesh, model)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 5 + 1), max(args.steps, 2))
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
     # the moments follow their parameters; the counts go onto the mesh too (left uncommitted, the
     # second step would see them come back sharded and compile the step again)
-    opt_state = nnx.state(optimizer)
-    nnx.update(optimizer, jax.device_put(opt_state, jax.tree_util.tree_map_with_path(lambda path, _: param_sharding(mesh, path), opt_state)))
+    place(mesh, optimizer)
 
     @nnx.jit
     def train_step(model, optimizer, tokens):

@@ -119,7 +119,9 @@ def test_demo_step_gathers_nothing(heads_parallel):
     all-to-all or permutation of activations such as q, k and v."""
     import re
 
+    from test_sharding import COLLECTIVES
+
     s = demo.setup(demo.parse(["--batch", "8", "--heads", "4", "--heads-parallel", str(heads_parallel)]))
     hlo = s.train_step.lower(s.model, s.optimizer, s.make_batch(jax.random.key(0))).compile().as_text()
-    found = re.findall(r" (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
+    found = re.findall(rf" ({COLLECTIVES})(?:-start)?\(", hlo)
     assert found and set(found) == {"all-reduce"}, sorted(found)
