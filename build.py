@@ -1,8 +1,9 @@
 """Builds fla_jax's CUDA kernels ahead of time, on a machine with or without a GPU.
 
-    python build.py [--jobs N] [--force]
+    python build.py [--jobs N] [--force] [--experiments]
 
-For every program of every variant in `kernels/variants.py`:
+For every dispatched program of every variant in `kernels/variants.py` (and with `--experiments` the
+experimental ones declared beside them):
 
 1. lower the TileLang program for sm_90a (`{"kind": "cuda", "arch": "sm_90a"}`) and read the
    lowered host function: kernel parameter order, grid and block expressions, dynamic shared
@@ -185,6 +186,33 @@ def lower_one(variant, program, key: str) -> dict:
             "source": f"kernels/{program.module.replace('.', '/')}.py", "params": params,
             "outputs": list(program.outputs), "descs": descs, "launches": launches}
     return meta  # written by `main` once the cubin is: its key is what marks the cubin as built
+
+
+# What TileLang prints when its ThreadSync pass cannot place a barrier where the code needs one (a sync inside a
+# branch that not every thread takes, hoisted out of it): the race it names stays in the kernel.
+RACE_WARNING = "the race remains"
+
+
+def lower_logged(variant, program, key: str) -> dict:
+    """`lower_one`, with what TileLang printed while lowering (its C++ passes write to the process's
+    stderr) kept as `lowering_log` in the description, so that `main` can refuse what it warns of."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+b") as log:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            meta = lower_one(variant, program, key)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    sys.stderr.write(text)
+    meta["lowering_log"] = [ln for ln in text.splitlines() if "warn" in ln.lower() or RACE_WARNING in ln]
+    return meta
 
 
 def _hashes(target_name: str) -> dict[str, str]:
@@ -379,6 +407,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Builds fla_jax's TileLang kernels and FFI extension.")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--force", action="store_true", help="rebuild every kernel, ignoring the cache")
+    ap.add_argument("--experiments", action="store_true",
+                    help="also build the experimental programs (kernels/variants.py EXPERIMENTS), for benchmarks")
     args = ap.parse_args(argv)
     cuda = cuda_home()
     if cuda is None:
@@ -396,7 +426,7 @@ def main(argv=None) -> int:
 
     GEN.mkdir(parents=True, exist_ok=True)
     tl_root = Path(tilelang.__file__).parent
-    work = [(v, p, content_key(v, p)) for v in VARIANTS for p in v.programs]
+    work = [(v, p, content_key(v, p)) for v in VARIANTS for p in (v.declared if args.experiments else v.programs)]
     todo = []
     for v, p, key in work:
         meta_file = GEN / f"{v.target(p)}.json"
@@ -409,7 +439,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     ctx = __import__("multiprocessing").get_context("spawn")
     with cf.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-        futures = {pool.submit(lower_one, v, p, key): v.target(p) for v, p, key in todo}
+        futures = {pool.submit(lower_logged, v, p, key): v.target(p) for v, p, key in todo}
         for fut in cf.as_completed(futures):
             name = futures[fut]
             meta = fut.result()
@@ -419,11 +449,18 @@ def main(argv=None) -> int:
             spills = ptxas["spill_stores"] or ptxas["spill_loads"] or ptxas["serialized"]
             note = f"; ptxas: {ptxas['spill_stores']} bytes spilled, products serialized {ptxas['serialized']}" if spills else ""
             print(f"  built     {name} ({time.time() - t0:.0f}s){note}", flush=True)
-    targets = []
+    targets, races = [], []
     for v, p, _ in work:
         meta = json.loads((GEN / f"{v.target(p)}.json").read_text())
+        if any(RACE_WARNING in ln for ln in meta.get("lowering_log", ())):
+            races.append((v.target(p), not p.of))
         (GEN / f"{v.target(p)}.cc").write_text(handler_source(meta))
         targets.append(v.target(p))
+    if races:
+        print(f"build.py: TileLang reported a race it could not remove ('{RACE_WARNING}') in {[t for t, _ in races]}")
+    if any(dispatched for _, dispatched in races):
+        print("build.py: refusing to link: dispatched programs must lower without a reported race")
+        return 1
     build_extension(targets, cuda, args.jobs)
     print(f"build.py: {len(targets)} kernels in {EXT.relative_to(ROOT)} ({time.time() - t0:.0f}s)")
     return 0

@@ -292,9 +292,9 @@ def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     """{program name: FFI target} of one variant, each kind's the program that runs (`_program`):
     also a kind that only an experiment put in place by `EXPERIMENT_OVERRIDES` provides there."""
     variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, V)
-    kinds = [prog.name for prog in variant.programs if not prog.of]
-    kinds += [prog.of for prog in variant.programs if prog.of and prog.of not in kinds and _chosen(p, direction, prog)]
-    return {prog.name: variant.target(prog) for prog in variant.programs if prog.of} | {
+    kinds = [prog.name for prog in variant.programs]
+    kinds += [prog.of for prog in variant.experiments if prog.of not in kinds and _chosen(p, direction, prog)]
+    return {prog.name: variant.target(prog) for prog in variant.experiments} | {
         kind: variant.target(_program(p, direction, K, kind)) for kind in kinds}
 
 
@@ -307,8 +307,8 @@ def _program(p: Problem, direction: str, K: int, name: str):
     """The `kernels.variants.Program` of one kind that runs: the dispatched one, or the experiment
     that `EXPERIMENT_OVERRIDES` puts in its place (its config decides how its inputs are laid out)."""
     variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, K)
-    chosen = next((prog for prog in variant.programs if prog.of == name and _chosen(p, direction, prog)), None)
-    return chosen or next(prog for prog in variant.programs if prog.name == name and not prog.of)
+    chosen = next((prog for prog in variant.experiments if prog.of == name and _chosen(p, direction, prog)), None)
+    return chosen or next(prog for prog in variant.programs if prog.name == name)
 
 
 def _config(p: Problem, direction: str, K: int, name: str) -> dict:

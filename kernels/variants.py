@@ -50,8 +50,19 @@ class Variant:
 
     @property
     def programs(self) -> tuple[Program, ...]:
-        progs = PROGRAMS[(self.op, self.direction)] + EXPERIMENTS.get((self.op, self.direction, self.dtype, self.head_k), ())
-        return tuple(p for p in progs if not p.dims or self.head_k in p.dims)
+        """The dispatched programs: what the default build holds and the runtime needs."""
+        return tuple(p for p in PROGRAMS[(self.op, self.direction)] if not p.dims or self.head_k in p.dims)
+
+    @property
+    def experiments(self) -> tuple[Program, ...]:
+        """Alternative configs declared for this variant (`EXPERIMENTS`): built by `build.py --experiments` only."""
+        return tuple(p for p in EXPERIMENTS.get((self.op, self.direction, self.dtype, self.head_k), ())
+                     if not p.dims or self.head_k in p.dims)
+
+    @property
+    def declared(self) -> tuple[Program, ...]:
+        """Every program declared for this variant, dispatched and experimental."""
+        return self.programs + self.experiments
 
     def target(self, program: Program) -> str:
         """The FFI target name of one program of this variant."""
@@ -284,8 +295,9 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ),
 }
 
-# Alternative kernel configs built for one variant only, for benchmarks/bench_kernels.py to compare;
-# the dispatch never calls them.
+# Alternative kernel configs declared for one variant only, for benchmarks/bench_kernels.py to compare; the
+# dispatch never calls them, and only `build.py --experiments` builds them (the default build, CI and an install
+# hold the dispatched programs alone).
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks). The
     # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when

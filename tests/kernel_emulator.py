@@ -506,7 +506,7 @@ def _programs():
     experiment stands in for) and its config."""
     from kernels import variants
 
-    return {v.target(p): (p.of or p.name, dict(p.config)) for v in variants.VARIANTS for p in v.programs}
+    return {v.target(p): (p.of or p.name, dict(p.config)) for v in variants.VARIANTS for p in v.declared}
 
 
 BUILT = _programs()

@@ -22,10 +22,24 @@ on_hopper = pytest.mark.skipif(not fla_jax.backends()["tilelang"].usable, reason
 
 
 def test_every_variant_is_registered():
+    """Every dispatched program is registered; anything else registered is a declared experiment
+    (`build.py --experiments`)."""
     from kernels.variants import VARIANTS
 
-    want = sorted(v.target(p) for v in VARIANTS for p in v.programs)
-    assert tilelang_backend.registered() == want
+    dispatched = {v.target(p) for v in VARIANTS for p in v.programs}
+    experiments = {v.target(p) for v in VARIANTS for p in v.experiments}
+    registered = set(tilelang_backend.registered())
+    assert dispatched <= registered, sorted(dispatched - registered)[:5]
+    assert registered - dispatched <= experiments, sorted(registered - dispatched - experiments)[:5]
+
+
+def _skip_unless_built(*names: str) -> None:
+    """Skips a test that runs experimental programs where the build left them out (the default build
+    holds the dispatched programs alone; `python build.py --experiments` builds them too)."""
+    built = {t.rsplit("_c64_", 1)[1] for t in tilelang_backend.registered()}
+    missing = sorted(set(names) - built)
+    if missing:
+        pytest.skip(f"experiments {missing} are not built (python build.py --experiments)")
 
 
 def test_dispatched_programs_keep_their_registers():
@@ -285,6 +299,7 @@ def test_tilelang_delta_hi_only_wy_vjp_against_float64(case, monkeypatch):
     """The WY VJP taking T's and dT's hi halves alone (`x_wy_bwd_hi`, `x_wy_bwd_l2_hi`: the input
     dtype's rounding of T, as fla's bf16 A) in place of the dispatched program, against float64
     under NaN-poisoned outputs with fla's ratios, beside the dispatched program's errors."""
+    _skip_unless_built("x_wy_bwd_hi", "x_wy_bwd_l2_hi")
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 13)
     ref_g, _ = reference_grads(case, diff, cot)
@@ -331,6 +346,7 @@ def test_tilelang_without_initial_state(case, scan, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
     monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", True)
     if scan:  # (where built: bf16, K = 64, 128; the WY VJP's experiment stands in for the program of two, not of one)
+        _skip_unless_built(*GATE_SCAN_EXPERIMENTS.values())
         monkeypatch.setattr(tilelang_backend, "DELTA_GRADS_KERNEL", ())
         for key, name in GATE_SCAN_EXPERIMENTS.items():
             monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
@@ -458,6 +474,7 @@ EXPERIMENTS = [(key, prog) for key, progs in variants.EXPERIMENTS.items() for pr
 def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch):
     """Each alternative kernel config (kernels/variants.py EXPERIMENTS) computes what the
     dispatched program of its kind computes, NaN-poisoned outputs, before any dispatch may use it."""
+    _skip_unless_built(prog.name)
     monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     op, direction, dt, K = key
     variant = variants.find(op, direction, variants.DTYPES[dt], K, K)
@@ -932,7 +949,7 @@ def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
         monkeypatch.setattr(tilelang_backend, "DELTA_GRADS_KERNEL", ())
         for key, name in GATE_SCAN_EXPERIMENTS.items():
             monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
-    allowed = [v.target(p) for v in variants.VARIANTS for p in v.programs]
+    allowed = [v.target(p) for v in variants.VARIANTS for p in v.declared]
     _, step = _gdn_custom_calls(K, allowed, l2norm=True, modules=True)
     kernels = re.findall(r"custom_call @fla_delta_\w+_c64_(\w+)", step)
     assert step.count("stablehlo.transpose") == (0 if K > 128 else 1 if scan else 5), kernels

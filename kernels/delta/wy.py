@@ -218,10 +218,10 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
     def invert_blocked(m_s, s, bpart_s, s_s, acc8, col):
         invert_diagonal(m_s, s, bpart_s, col)
         tx = T.get_thread_binding()
-        # (TileLang's ThreadSync warns here of a barrier hoisted out of `if col < r0` with "the
-        # race remains": a false positive. Inside the branch the first pass writes only s_s; the
-        # second reads rows r0.. at columns >= r0 and writes them at columns < r0. The passes and
-        # the block rows are separated by the barriers written here.)
+        # (The second pass reads rows r0.. of m_s at columns >= r0 and writes them at columns < r0:
+        # its sums are written after a barrier of their own, so that no branch both reads and writes
+        # m_s. With the write inside the reading branch TileLang's ThreadSync hoisted a barrier out of
+        # `if col < r0` and warned "the race remains", which build.py refuses.)
         # Block rows I = 1, 2, 3 (rows r0 + r): thread tx owns column col = tx % BT and the rows
         # r = RS e + tx // BT (e < NE) of the strip left of block I, NE sums at once (independent
         # chains, each operand of column col loaded once for all of them).
@@ -249,6 +249,8 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                         sv = s_s[4 * mm4 + mu, col]
                         for e in T.unroll(NE):
                             acc8[e] += m_s[r0 + RS * e + tx // BT, r0 + 4 * mm4 + mu] * sv
+            T.sync_threads()
+            if col < r0:
                 for e in T.unroll(NE):
                     m_s[r0 + RS * e + tx // BT, col] = -acc8[e]
             T.sync_threads()
