@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 INPUT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
@@ -66,10 +67,16 @@ def scale(scale, K: int) -> float:
     return scale
 
 
-def cu_seqlens(cu, B: int, T: int) -> jax.Array | None:
-    """Checks `cu_seqlens [N + 1]`; values are checked too when they are concrete."""
+def cu_seqlens(cu, B: int, T: int) -> tuple[jax.Array | None, jax.Array | None]:
+    """Checks `cu_seqlens [N + 1]`: `(cu as int32, valid)`.
+
+    Concrete values are checked here (a ValueError names them). Traced values cannot be: then
+    `valid` is a traced bool scalar, the table returned is the user's where it is valid and
+    otherwise one that no kernel can read out of bounds with (a single sequence of all T tokens,
+    the others empty), and the op makes every output NaN where `valid` is False. Under
+    `jax.experimental.checkify.checkify` an invalid table is also reported as an error."""
     if cu is None:
-        return None
+        return None, None
     cu = array("cu_seqlens", cu, rank=1, floating=False)
     if not jnp.issubdtype(cu.dtype, jnp.integer):
         raise TypeError(f"`cu_seqlens` must have an integer dtype, got {cu.dtype}")
@@ -84,7 +91,12 @@ def cu_seqlens(cu, B: int, T: int) -> jax.Array | None:
     if values is not None:
         if values[0] != 0 or values[-1] != T or np.any(np.diff(values) < 0):
             raise ValueError(f"`cu_seqlens` must start at 0, end at T = {T} and not decrease, got {values.tolist()}")
-    return cu.astype(jnp.int32)
+        return cu.astype(jnp.int32), None
+    # (compared in the given dtype: a cast to int32 first could wrap an out-of-range value into range)
+    valid = (cu[0] == 0) & (cu[-1] == T) & jnp.all(cu[1:] >= cu[:-1])
+    checkify.debug_check(valid, f"`cu_seqlens` must start at 0, end at T = {T} and not decrease")
+    fallback = jnp.full(cu.shape, T, jnp.int32).at[0].set(0)
+    return jnp.where(valid, cu.astype(jnp.int32), fallback), valid
 
 
 def initial_state(h0, N: int, H: int, K: int, V: int, what: str) -> jax.Array | None:
@@ -93,6 +105,13 @@ def initial_state(h0, N: int, H: int, K: int, V: int, what: str) -> jax.Array | 
     h0 = array("initial_state", h0, rank=4)
     shape("initial_state", h0, (N, H, K, V), what)
     return h0
+
+
+def flag(name: str, x) -> bool:
+    """A Python or NumPy bool (static: it decides what the op computes)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a bool, got {type(x).__name__}")
+    return bool(x)
 
 
 def chunk_size(c) -> int:

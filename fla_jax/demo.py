@@ -114,24 +114,42 @@ def sample(key, logP, batch: int, T: int):
     return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= `low`."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=128)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--layer", choices=("gdn", "gla"), default="gdn")
-    ap.add_argument("--heads-parallel", type=int, default=1, help="devices to split the heads over")
-    ap.add_argument("--backend", default="auto", choices=("auto", "xla", "reference", "tilelang"))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--steps", type=_at_least(1), default=300, help="training steps")
+    ap.add_argument("--batch", type=_at_least(1), default=8, help="global batch (sequences per step)")
+    ap.add_argument("--seq-len", type=_at_least(1), default=128, help="tokens per sequence")
+    ap.add_argument("--vocab", type=_at_least(4), default=128, help="vocabulary of the Markov chain (each token has 4 successors)")
+    ap.add_argument("--d-model", type=_at_least(1), default=64, help="model width")
+    ap.add_argument("--layers", type=_at_least(1), default=2, help="attention + MLP blocks")
+    ap.add_argument("--heads", type=_at_least(1), default=2, help="attention heads")
+    ap.add_argument("--head-dim", type=_at_least(1), default=32, help="head dim (K = V)")
+    ap.add_argument("--layer", choices=("gdn", "gla"), default="gdn", help="attention layer")
+    ap.add_argument("--heads-parallel", type=_at_least(1), default=1, help="devices to split the heads over")
+    ap.add_argument("--backend", default="auto", choices=("auto", "xla", "reference", "tilelang"), help="the ops' backend")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="activations' dtype (parameters stay float32); auto: bfloat16 where the TileLang kernels run, else float32")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
+    ap.add_argument("--log-every", type=_at_least(1), default=25, help="steps between log lines")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the data and the parameters")
     return ap.parse_args(argv)
 
 
@@ -223,6 +241,8 @@ def main(argv=None):
             print(f"step {step:4d}  loss {loss:.3f}  {_speed(step_times, tokens_per_step, devices)}", flush=True)
     total = time.perf_counter() - t_start
     print(f"done: loss {first_loss:.3f} -> {loss:.3f} (floor {floor:.2f}) in {total:.1f}s with backend {backend}")
+    if not math.isfinite(loss):
+        raise SystemExit(f"the loss is {loss}: training diverged")
     if step_times:
         print(f"training steps: {_speed(step_times, tokens_per_step, devices)}")
     return first_loss, loss

@@ -15,6 +15,13 @@ from flax import nnx
 from fla_jax.ops import chunk_gated_delta_rule, chunk_gla
 
 
+def _tokens(x, d_model: int, layer: str) -> tuple[int, int]:
+    """`(B, T)` of a layer's input `x [B, T, d_model]`, or a ValueError naming it."""
+    if getattr(x, "ndim", None) != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"{layer} takes `x` of shape [B, T, d_model = {d_model}], got {tuple(getattr(x, 'shape', ()))}")
+    return x.shape[0], x.shape[1]
+
+
 def _positions(T: int, cu_seqlens: jax.Array | None) -> jax.Array:
     """Position of each token inside its own sequence, `[T]`."""
     t = jnp.arange(T, dtype=jnp.int32)
@@ -91,9 +98,10 @@ class GatedDeltaNet(nnx.Module):
         dt = jnp.exp(jax.random.uniform(rngs.params(), (self.HV,), jnp.float32) * (jnp.log(0.1) - jnp.log(0.001)) + jnp.log(0.001))
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
         self.o_norm = GatedRMSNorm(self.V, rngs=rngs)
+        self.d_model = d_model
 
     def __call__(self, x, *, cu_seqlens=None, initial_state=None, output_final_state=False):
-        B, T, _ = x.shape
+        B, T = _tokens(x, self.d_model, "GatedDeltaNet")
         pos = _positions(T, cu_seqlens)
         q = self.q_conv(self.q_proj(x), pos).reshape(B, T, self.H, self.K)
         k = self.k_conv(self.k_proj(x), pos).reshape(B, T, self.H, self.K)
@@ -137,9 +145,10 @@ class GatedLinearAttention(nnx.Module):
         self.g_proj = lin(d_model, self.H * self.V)
         self.o_proj = lin(self.H * self.V, d_model)
         self.o_norm = GatedRMSNorm(self.V, rngs=rngs)
+        self.d_model = d_model
 
     def __call__(self, x, *, cu_seqlens=None, initial_state=None, output_final_state=False):
-        B, T, _ = x.shape
+        B, T = _tokens(x, self.d_model, "GatedLinearAttention")
         q = self.q_proj(x).reshape(B, T, self.H, self.K)
         k = self.k_proj(x).reshape(B, T, self.H, self.K)
         v = self.v_proj(x).reshape(B, T, self.H, self.V)

@@ -14,6 +14,7 @@ final state is float32 `[N, H, K, V]` (N = B, or the number of sequences with `c
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import jax
@@ -24,27 +25,33 @@ from fla_jax._problem import Problem, l2_normalise
 
 Array = jax.Array
 
+# `fla_jax.explain` sets a list here to receive each call's plan (what `_run` decided); ops append to it and
+# compute as usual. Nothing else sets it: it changes no result.
+PLANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fla_jax_plans", default=None)
+
 
 def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size, backend, l2norm=False):
     """Checks what is common, reduces the call to a `Problem` and runs the chosen backend."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = _checks.scale(scale, K)
-    cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
+    cu_seqlens, cu_valid = _checks.cu_seqlens(cu_seqlens, B, T)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     what = "[N, H, K, V]" + (" (N = number of sequences in cu_seqlens)" if cu_seqlens is not None else " (N = B)")
     h0 = _checks.initial_state(initial_state, N, HV, K, V, what)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"`output_final_state` must be a bool, got {type(output_final_state).__name__}")
-    if not isinstance(l2norm, bool):
-        raise TypeError(f"`use_qk_l2norm_in_kernel` must be a bool, got {type(l2norm).__name__}")
+    output_final_state = _checks.flag("output_final_state", output_final_state)
+    l2norm = _checks.flag("use_qk_l2norm_in_kernel", l2norm)
     problem = Problem(op=op, delta=beta is not None, chunk_size=chunk_size, dtype=jnp.dtype(q.dtype).name)
-    chosen = _backends.resolve(
-        backend, problem, K=K, V=V, varlen=cu_seqlens is not None, grouped=HV != H, l2norm=l2norm
-    )
+    call = {"K": K, "V": V, "varlen": cu_seqlens is not None, "grouped": HV != H, "l2norm": l2norm}
+    chosen = _backends.resolve(backend, problem, **call)
 
     args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "cu_seqlens": cu_seqlens}
+    if (plans := PLANS.get()) is not None:
+        shapes = {n: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for n, x in args.items()}
+        plans.append({"problem": problem, "call": call, "backend": chosen.name, "asked": backend, "scale": scale, "args": shapes})
     o, ht = _sharding.apply(functools.partial(_compute, chosen, problem, scale, l2norm), args, varlen=cu_seqlens is not None)
+    if cu_valid is not None:  # a traced cu_seqlens that is no valid table: every output NaN (`_checks.cu_seqlens`)
+        o, ht = (jnp.where(cu_valid, x, jnp.asarray(jnp.nan, x.dtype)) for x in (o, ht))
     return o, (ht if output_final_state else None)
 
 

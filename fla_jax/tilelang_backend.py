@@ -27,16 +27,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fla_jax import _layout, _partition
+from fla_jax import _layout, _partition, xla
 from fla_jax._problem import Problem, l2_normalise
 
-try:
-    from fla_jax import _ext
-except ImportError as e:  # not built
-    _ext = None
-    IMPORT_ERROR: str | None = str(e)
-else:
-    IMPORT_ERROR = None
+def _load_extension(name: str = "fla_jax._ext"):
+    """`(module, None)`, or `(None, why)` where the extension is not built or does not load."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:  # (importing it then would fail with a circular-import message)
+        return None, f"{name} is not built"
+    try:
+        return importlib.import_module(name), None
+    except ImportError as e:  # built, but it does not load here
+        return None, f"{name} does not load: {e}"
+
+
+_ext, IMPORT_ERROR = _load_extension()
+if _ext is not None:
     for _name, _capsule in _ext.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
@@ -180,8 +188,9 @@ def status() -> tuple[bool, str | None]:
     return True, None
 
 
-def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2norm: bool) -> str | None:
-    """Why the kernels cannot take this call, or None when they can (`cu_seqlens` is supported)."""
+def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2norm: bool, installed: bool = True) -> str | None:
+    """Why the kernels cannot take this call, or None when they can (`cu_seqlens` is supported).
+    `installed`: also where this install's extension lacks a program the call needs."""
     del varlen, grouped, l2norm  # grouped heads and l2 normalisation exist only for the delta rules
     if p.chunk_size != 64:
         return f"the kernels use chunk_size 64, got {p.chunk_size}"
@@ -189,7 +198,7 @@ def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2no
     variants = [None if _find_variant is None else _find_variant(op, d, p.dtype, K, V) for d in ("fwd", "bwd")]
     if None in variants:
         return f"no kernel built for dtype {p.dtype}, K = {K}, V = {V} (built: bf16/fp16 with K = V in 64, 128, 256)"
-    missing = sorted({v.target(prog) for v in variants for prog in v.programs} - set(registered()))
+    missing = sorted({v.target(prog) for v in variants for prog in v.programs} - set(registered())) if installed else ()
     if missing:
         return f"the built extension lacks {missing[0]} (and {len(missing) - 1} more): rebuild with `python build.py`"
     return None
@@ -208,6 +217,8 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     C = p.chunk_size
     layout = _layout.make_layout(T, cu_seqlens, C)
     g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)  # GLA: [B, T, H, K]
+    if g32.ndim == 3:  # (a decay of zero, g = -inf, as the xla backend takes it: `xla.GATE_FLOOR`; fused into XLA's
+        g32 = jnp.maximum(g32, xla.GATE_FLOOR)  # in-chunk sums. GLA's per-channel gates go to its kernel as given)
     beta = beta.astype(jnp.float32) if p.delta else None
     q, k, v, g32, beta = (_layout.pack(x, layout) for x in (q, k, v, g32, beta))
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)

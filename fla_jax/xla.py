@@ -43,19 +43,64 @@ from fla_jax._problem import Problem
 
 _SUB = 16  # GLA sub-chunk
 
+# Gates below this are taken as it (a decay of exp(-110) < 1e-47, zero in float32): a gate of -inf (what
+# `log(sigmoid(x))` gives in float32 for x below about -104) or -1e8 is a legal decay of zero, but in-chunk
+# sums of such values give -inf - -inf = NaN, or lose every small gate after them to rounding.
+GATE_FLOOR = -110.0
+
 
 def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens):
-    """Runs one op on the chunked pure-JAX path; arguments as `fla_jax._problem` describes."""
+    """Runs one op on the chunked pure-JAX path; arguments as `fla_jax._problem` describes.
+
+    Non-finite inputs keep the recurrence's causality (`_guard`): from the first step whose k, v,
+    beta or gate is NaN or infinite (a gate of -inf is a decay of zero, not an error) every output
+    of that sequence and head is NaN, and so is its final state; a non-finite q makes its own step's
+    output NaN. Outputs before such a step are exact, whatever shares their chunk."""
     T = q.shape[1]
     cdt = p.compute_dtype
+    (q, k, v, g, beta), bad_q, bad = _guard(*(None if x is None else x.astype(cdt) for x in (q, k, v, g, beta)))
+    if g is not None:
+        g = jnp.maximum(g, GATE_FLOOR)
     layout = _layout.make_layout(T, cu_seqlens, p.chunk_size)
-    q, k, v, g, beta = (_layout.pack(None if x is None else x.astype(cdt), layout) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (_layout.pack(x, layout) for x in (q, k, v, g, beta))
     table = _layout.state_table(h0.astype(cdt), layout)
     if p.delta:
         o, ht = _delta_core(p, q, k, v, g, beta, table, layout.seg)
     else:
         o, ht = _gated_core(p, q, k, v, g, table, layout.seg)
-    return _layout.unpack(o, layout, T), _layout.final_states(ht, layout)
+    return _poison(_layout.unpack(o, layout, T), _layout.final_states(ht, layout), bad_q, bad, cu_seqlens)
+
+
+def _guard(q, k, v, g, beta):
+    """Inputs with every non-finite step zeroed, `bad_q [B, T, H]` (q not finite) and `bad [B, T, H]`
+    (k, v, beta or the gate not finite; a gate of -inf is finite here: a decay of zero)."""
+    nonfinite = lambda x, axes: jnp.any(~jnp.isfinite(x), axis=axes)
+    bad_q = nonfinite(q, -1)
+    bad = nonfinite(k, -1) | nonfinite(v, -1)
+    if beta is not None:
+        bad = bad | ~jnp.isfinite(beta)
+    if g is not None:
+        gbad = jnp.isnan(g) | (g == jnp.inf)
+        bad = bad | (jnp.any(gbad, axis=-1) if g.ndim == 4 else gbad)
+    zero = lambda x, m: None if x is None else jnp.where(m.reshape(m.shape + (1,) * (x.ndim - m.ndim)), 0, x)
+    return (zero(q, bad_q), zero(k, bad), zero(v, bad), zero(g, bad), zero(beta, bad)), bad_q, bad
+
+
+def _poison(o, ht, bad_q, bad, cu_seqlens):
+    """NaN in `o [B, T, H, V]` from each sequence's first bad step on (and at bad q), and in the final
+    states `[N, H, K, V]` of the sequences with one."""
+    T = o.shape[1]
+    t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+    last_bad = lax.cummax(jnp.where(bad, t, -1), axis=1)  # the latest bad step at or before each step
+    if cu_seqlens is None:
+        poisoned, seq_bad = last_bad >= 0, jnp.any(bad, axis=1)  # [B, H] final states
+    else:
+        N = cu_seqlens.shape[0] - 1
+        seq = jnp.clip(jnp.searchsorted(cu_seqlens, t[0, :, 0], side="right") - 1, 0, N - 1)
+        poisoned = last_bad >= cu_seqlens[seq][None, :, None]
+        seq_bad = jax.ops.segment_max(bad[0].astype(jnp.int32), seq, num_segments=N) > 0  # (empty: the identity, < 0)
+    o = jnp.where((poisoned | bad_q)[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+    return o, jnp.where(seq_bad[..., None, None], jnp.asarray(jnp.nan, ht.dtype), ht)
 
 
 # ----------------------------------------------------------------------------- layout helpers

@@ -574,6 +574,59 @@ def test_delta_wy_inverse_against_float64(K):
 
 @on_hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+def test_tilelang_hostile_traced_cu_seqlens(op):
+    """Traced `cu_seqlens` that are no valid table, on the kernels (forward and training step): NaN
+    outputs and final states as on the xla backend, no fault or hang; a valid traced table gives the
+    concrete table's outputs. (The kernels get a safe table: tests/test_tilelang_glue.py checks the
+    tables every program gets.)"""
+    from test_robustness import HOSTILE_CU, VALID_CU, T
+
+    case = Case(op, 1, T, 2, 64, 64, dtype="bfloat16", cu=VALID_CU, h0=True, l2norm=op.endswith("delta_rule"))
+    diff, cot = make_inputs(case, 5)
+    fwd = jax.jit(lambda d, cu: OPS[op](**d, **(static_kwargs(case) | {"cu_seqlens": cu}), backend="tilelang"))
+
+    def loss(d, cu):
+        o, ht = OPS[op](**d, **(static_kwargs(case) | {"cu_seqlens": cu}), backend="tilelang")
+        return jnp.sum(o.astype(jnp.float32) * cot["do"]) + jnp.sum(ht * cot["dht"])
+
+    step = jax.jit(jax.value_and_grad(loss))
+    for name, cu in HOSTILE_CU.items():
+        o, ht = fwd(diff, jnp.asarray(cu, jnp.int32))
+        l, grads = step(diff, jnp.asarray(cu, jnp.int32))
+        assert bool(jnp.all(jnp.isnan(o.astype(jnp.float32)))) and bool(jnp.all(jnp.isnan(ht))) and bool(jnp.isnan(l)), name
+        jax.block_until_ready(grads)
+    o, ht = fwd(diff, jnp.asarray(VALID_CU, jnp.int32))
+    o2, ht2 = forward_outputs(case, "tilelang")(diff)
+    assert err_ratio(o2, o) == 0.0 and err_ratio(ht2, ht) == 0.0
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["simple_gla", "gla", "gated_delta_rule"])
+@pytest.mark.parametrize("floor", [-np.inf, -1e8, -300.0])
+def test_tilelang_gates_of_zero_decay(op, floor):
+    """A decay of zero (g = -inf) or a very negative gate at a few steps amid ordinary ones in the same
+    chunks, on the kernels: o, ht and every gradient finite and against float64 as ordinary gates are
+    (NaN-poisoned outputs)."""
+    case = Case(op, 2, 200, 2, 64, 64, dtype="bfloat16", h0=True, l2norm=op == "gated_delta_rule")
+    diff, cot = make_inputs(case, 9)
+    g = np.asarray(diff["g"]).copy()
+    g[:, (3, 40, 41, 130)] = floor
+    diff["g"] = jnp.asarray(g)
+    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+        grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)} | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff if n != "g"}
+    print(case, floor, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(grads)), "non-finite gradient"
+    bad = {n: e for n, e in errs.items() if not e <= (0.01 if n[0] in "oh" else 0.02)}
+    assert not bad, bad
+
+
+@on_hopper
+@pytest.mark.gpu
 def test_tilelang_long_sequence_has_no_index_overflow():
     """2^20 + 37 tokens in one call, against the xla backend."""
     T = (1 << 20) + 37

@@ -519,3 +519,62 @@ def test_bench_rounds_interleaves_the_implementations(tmp_path):
     assert first["fwd_ratio"] == first["fwdbwd_ratio"] == 1.0 and first["rounds"] == alt["rounds"] == 2
     assert all(r[k] > 0 for r in (first, alt) for k in ("fwd_ms", "fwdbwd_ms", "fwd_ratio", "fwdbwd_ratio"))
     assert "error" in bad and "nope:x" in bad["error"]
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gla", "gated_delta_rule"])
+def test_hostile_traced_cu_seqlens_reach_no_kernel(op, emulated, monkeypatch):
+    """Whatever a traced `cu_seqlens` holds, the chunk tables every program gets (first chunk and chunk
+    count of each sequence, the loop bounds and row offsets of the kernels) stay inside the chunk rows,
+    and the op's outputs are NaN (as on the xla backend); before, `[0, 500, 100, T]` gave counts
+    [8, -6, ...] and `[0, 2**30, ...]` a 16.7M-iteration loop."""
+    from test_robustness import HOSTILE_CU, VALID_CU, T
+
+    tables = []
+
+    def record(target, results, *args, **attrs):
+        ints = [a for a in args if a.dtype == jnp.int32 and a.ndim == 1]
+        rows = max(a.shape[0] for a in args if a.ndim >= 2 and a.dtype != jnp.int32)
+        if len(ints) == 2:  # (the tables' values as the program would get them)
+            jax.debug.callback(lambda cstart, ccount: tables.append((target, (cstart, ccount), rows)), *ints)
+        return kernel_emulator.call(target, results, *args, **attrs)
+
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    case = Case(op, 1, T, 2, 64, 64, dtype="bfloat16", cu=VALID_CU, h0=True)
+    diff, cot = make_inputs(case, 3)
+    run = jax.jit(lambda d, c, cu: _grads_with_cu(case, d, c, cu))
+    for name, cu in HOSTILE_CU.items():
+        tables.clear()
+        grads, (o, ht) = jax.block_until_ready(run(diff, cot, jnp.asarray(cu, jnp.int32)))
+        assert bool(jnp.all(jnp.isnan(o.astype(jnp.float32)))) and bool(jnp.all(jnp.isnan(ht))), name
+        checked = 0
+        for target, (cstart, ccount), rows in ((t, i, r) for t, i, r in tables if len(i) == 2):
+            nt = rows // 64
+            cstart, ccount = jnp.asarray(cstart), jnp.asarray(ccount)
+            assert bool(jnp.all(ccount >= 0) & jnp.all(cstart >= 0) & jnp.all(cstart + ccount <= nt)), (name, target, cstart, ccount)
+            checked += 1
+        assert checked >= 2, (name, [t for t, _, _ in tables])  # (the forward storing h and the reverse pass at least)
+
+
+def _grads_with_cu(case, diff, cot, cu):
+    """`loss_and_outputs`'s loss on the tilelang backend with `cu_seqlens` as an argument (traced)."""
+    def loss(d):
+        kw = static_kwargs(case) | {"cu_seqlens": cu}
+        o, ht = OPS[case.op](**d, **kw, backend="tilelang")
+        return jnp.sum(o.astype(jnp.float32) * cot["do"]) + jnp.sum(ht * cot["dht"]), (o, ht)
+
+    return jax.grad(loss, has_aux=True)(diff)
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule"])
+def test_scalar_gates_of_zero_decay_reach_the_kernels_finite(op, emulated):
+    """Scalar gates of -inf (a decay of zero) or -1e8 go to the programs as `xla.GATE_FLOOR`: o, ht and every
+    gradient finite and against float64 as with ordinary gates (before: NaN from the in-chunk sums)."""
+    case = Case(op, 2, 130, 2, 64, 64, dtype="bfloat16", h0=True, l2norm=op == "gated_delta_rule")
+    diff, cot = make_inputs(case, 17)
+    g = jnp.asarray(diff["g"]).at[:, (3, 40, 41, 100)].set(-jnp.inf).at[:, 70].set(-1e8)
+    diff["g"] = g
+    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)} | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff if n != "g"}
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(grads)), "non-finite gradient"
+    assert all(e <= 0.01 for e in errs.values()), errs

@@ -1,0 +1,247 @@
+"""Hostile input on the pure-JAX backends: invalid traced `cu_seqlens`, decays of zero (g = -inf) and
+very negative gates, non-finite values, and the smaller argument checks. Each test failed before the
+fix it covers (the tilelang backend's versions run in tests/test_tilelang.py on a GPU)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import fla_jax
+from cases import OPS, Case, make_inputs, static_kwargs
+from check import err_ratio
+from ref64 import naive
+
+PURE = ("xla", "reference")
+ALL_OPS = tuple(OPS)
+T = 130
+
+
+def _inputs(op, seed=0, cu=None, HV=None):
+    case = Case(op, 1, T, 2, 16, 16, HV=HV, cu=cu, h0=True)
+    diff, _ = make_inputs(case, seed)
+    return case, {n: np.asarray(a) for n, a in diff.items()}
+
+
+def _call(case, diff, backend, **over):
+    kw = static_kwargs(case) | over
+    return OPS[case.op](**{n: jnp.asarray(a) for n, a in diff.items()}, **kw, backend=backend)
+
+
+def _ref(case, diff):
+    d = dict(diff)
+    return naive(case.op, d["q"], d["k"], d["v"], d.get("g"), d.get("beta"), h0=d["initial_state"],
+                 cu=None if case.cu is None else list(case.cu))
+
+
+# ----------------------------------------------------------------------------- cu_seqlens
+
+
+HOSTILE_CU = {
+    "past_T": [0, 500, 100, T],  # chunk counts [8, -6, ...] before the fix
+    "huge": [0, 2**30, 100, T],  # a 16.7M-iteration loop in a kernel before the fix
+    "decreasing": [0, 90, 40, T],
+    "not_from_0": [5, 50, 90, T],
+    "short_of_T": [0, 50, 90, T - 1],
+    "negative": [0, -64, 90, T],
+}
+VALID_CU = (0, 50, 90, T)
+
+
+@pytest.mark.parametrize("backend", PURE)
+@pytest.mark.parametrize("name", list(HOSTILE_CU))
+def test_invalid_traced_cu_seqlens_gives_nan_everywhere(name, backend):
+    """A traced table that is no valid one: every output and final state NaN (the ops run on a
+    table no kernel can read out of bounds with), on every backend alike; a valid traced table gives
+    what the concrete one gives."""
+    case, diff = _inputs("gated_delta_rule", cu=VALID_CU)
+    f = jax.jit(lambda cu: _call(case, diff, backend, cu_seqlens=cu))
+    o, ht = f(jnp.asarray(HOSTILE_CU[name], jnp.int32))
+    assert np.all(np.isnan(np.asarray(o))) and np.all(np.isnan(np.asarray(ht)))
+    o_ok, ht_ok = f(jnp.asarray(VALID_CU, jnp.int32))
+    want_o, want_ht = _call(case, diff, backend)
+    np.testing.assert_allclose(np.asarray(o_ok), np.asarray(want_o), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ht_ok), np.asarray(want_ht), rtol=1e-6, atol=1e-6)
+
+
+def test_invalid_traced_cu_seqlens_is_an_error_under_checkify():
+    case, diff = _inputs("simple_gla", cu=VALID_CU)
+    f = checkify.checkify(jax.jit(lambda cu: _call(case, diff, "xla", cu_seqlens=cu)[0]))
+    err, _ = f(jnp.asarray(HOSTILE_CU["past_T"], jnp.int32))
+    with pytest.raises(checkify.JaxRuntimeError, match="`cu_seqlens` must start at 0, end at T = 130"):
+        err.throw()
+    err, _ = f(jnp.asarray(VALID_CU, jnp.int32))
+    err.throw()  # (a valid table: no error)
+
+
+def test_int64_cu_seqlens_is_checked_before_the_cast():
+    """Values outside int32 are caught in their own dtype (a cast first would wrap 2**32 + 50 to 50)."""
+    case, diff = _inputs("simple_gla", cu=VALID_CU)
+    o, _ = jax.jit(lambda cu: _call(case, diff, "xla", cu_seqlens=cu))(jnp.asarray([0, 2**32 + 50, 90, T], jnp.int64))
+    assert np.all(np.isnan(np.asarray(o)))
+
+
+# ----------------------------------------------------------------------------- decays of zero
+
+
+@pytest.mark.parametrize("backend", PURE)
+@pytest.mark.parametrize("op", ["simple_gla", "gla", "gated_delta_rule"])
+@pytest.mark.parametrize("floor", [-np.inf, -1e8, -1e6, -300.0])
+def test_gates_of_zero_decay_are_exact(op, floor, backend):
+    """A decay of zero (g = -inf, what `log(sigmoid(-200.))` gives in float32) or a very negative
+    finite gate at a few steps, amid ordinary ones in the same chunks: finite, and within float32's
+    reach of the float64 recurrence. Before: NaN from that step (-inf), or the small gates after it
+    lost in the chunk's cumulative sums (relative errors 1e-2 to 1.8)."""
+    case, diff = _inputs(op)
+    g = diff["g"].copy()
+    for t in (3, 40, 41, 100):
+        g[:, t] = floor
+    diff["g"] = g
+    o, ht = _call(case, diff, backend)
+    want_o, want_ht = _ref(case, diff)
+    assert err_ratio(want_o, o) < 2e-5 and err_ratio(want_ht, ht) < 2e-5, (err_ratio(want_o, o), err_ratio(want_ht, ht))
+    grads = jax.grad(lambda d: jnp.sum(_call(case, d, backend)[0] ** 2))({n: jnp.asarray(a) for n, a in diff.items()})
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(grads))
+
+
+# ----------------------------------------------------------------------------- non-finite values
+
+
+def _bad_step(diff, name, t, value=np.nan, head=0):
+    d = {n: a.copy() for n, a in diff.items()}
+    d[name][0, t, head] = value
+    return d
+
+
+TAKES = {"simple_gla": "qkvg", "gla": "qkvg", "delta_rule": ("q", "k", "v", "beta"), "gated_delta_rule": ("q", "k", "v", "g", "beta")}
+
+
+@pytest.mark.parametrize("backend", PURE)
+@pytest.mark.parametrize("op,name", [(op, name) for op in ALL_OPS for name in TAKES[op]])
+def test_non_finite_input_keeps_causality(op, name, backend):
+    """NaN in one step's input (head 0, step 40, inside the first chunk of 64): outputs before it
+    unchanged; from it on NaN in that head (k, v, g, beta: the state is NaN from there, and the final
+    state) or at that step alone (q); the other head untouched. Before: the NaN reached steps 0..39
+    of the same chunk (xla)."""
+    case, diff = _inputs(op)
+    o0, ht0 = (np.asarray(x) for x in _call(case, diff, backend))
+    o, ht = (np.asarray(x) for x in _call(case, _bad_step(diff, name, 40), backend))
+    np.testing.assert_allclose(o[0, :40], o0[0, :40], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(o[0, :, 1], o0[0, :, 1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ht[:, 1], ht0[:, 1], rtol=1e-6, atol=1e-6)
+    if name == "q":
+        assert np.all(np.isnan(o[0, 40, 0])) and np.all(np.isfinite(o[0, 41:, 0])) and np.all(np.isfinite(ht))
+    else:
+        assert np.all(np.isnan(o[0, 40:, 0])) and np.all(np.isnan(ht[:, 0]))
+
+
+@pytest.mark.parametrize("backend", PURE)
+def test_non_finite_input_stays_in_its_sequence(backend):
+    """Packed sequences: an infinite v in the second sequence poisons it alone."""
+    case, diff = _inputs("gated_delta_rule", cu=(0, 37, 37, 100, T))
+    o0, ht0 = (np.asarray(x) for x in _call(case, diff, backend))
+    o, ht = (np.asarray(x) for x in _call(case, _bad_step(diff, "v", 50, np.inf), backend))
+    np.testing.assert_allclose(o[0, :50], o0[0, :50], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(o[0, 100:], o0[0, 100:], rtol=1e-6, atol=1e-6)
+    assert np.all(np.isnan(o[0, 50:100, 0])) and np.all(np.isfinite(o[0, 50:100, 1]))
+    assert np.all(np.isnan(ht[2, 0])) and np.all(np.isfinite(np.delete(ht, 2, axis=0)))
+
+
+# ----------------------------------------------------------------------------- smaller checks
+
+
+def test_numpy_bools_are_flags():
+    case, diff = _inputs("delta_rule")
+    o, ht = _call(case, diff, "xla", output_final_state=np.bool_(True), use_qk_l2norm_in_kernel=np.bool_(False))
+    assert ht is not None
+
+
+def test_tilelang_reason_without_the_extension_says_not_built(monkeypatch):
+    """Without a built extension the tilelang backend says so (it once showed a circular-import message)."""
+    from fla_jax import tilelang_backend
+
+    ext, why = tilelang_backend._load_extension("fla_jax._not_built_ext")
+    assert ext is None and why == "fla_jax._not_built_ext is not built", why
+    monkeypatch.setattr(tilelang_backend, "_ext", None)
+    monkeypatch.setattr(tilelang_backend, "IMPORT_ERROR", why)
+    tilelang_backend.status.cache_clear()
+    try:
+        reason = fla_jax.backends()["tilelang"].reason
+    finally:
+        tilelang_backend.status.cache_clear()
+    assert "not built" in reason and "circular" not in reason, reason
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["--steps", "0"], "--steps: must be an integer >= 1"),
+    (["--batch", "0"], "--batch: must be an integer >= 1"),
+    (["--lr", "nan"], "--lr: must be a finite number > 0"),
+    (["--lr=-1e-3"], "--lr: must be a finite number > 0"),
+    (["--vocab", "1"], "--vocab: must be an integer >= 4"),
+])
+def test_demo_refuses_arguments_it_cannot_train_with(argv, pattern, capsys):
+    """Before: --steps 0 crashed, --batch 0 and --lr nan trained NaN and exited 0, --vocab 1 failed
+    inside NumPy."""
+    from fla_jax import demo
+
+    with pytest.raises(SystemExit) as e:
+        demo.parse(argv)
+    assert e.value.code == 2 and pattern in capsys.readouterr().err
+
+
+def test_demo_help_shows_defaults(capsys):
+    from fla_jax import demo
+
+    with pytest.raises(SystemExit):
+        demo.parse(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: 300)" in out and "(default: 0.003)" in out
+
+
+@pytest.mark.parametrize("layer", ["GatedDeltaNet", "GatedLinearAttention"])
+def test_layer_names_a_wrong_input_shape(layer):
+    from flax import nnx
+
+    from fla_jax import layers
+
+    m = getattr(layers, layer)(16, 2, 8, rngs=nnx.Rngs(0))
+    for x in (jnp.zeros((10, 16)), jnp.zeros((1, 10, 12))):
+        with pytest.raises(ValueError, match=re.escape(f"{layer} takes `x` of shape [B, T, d_model = 16], got {tuple(x.shape)}")):
+            m(x)
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+def test_explain_names_the_programs_and_the_reason():
+    """`fla_jax.explain` says which backend a call runs on and why not the kernels, and the programs the
+    kernels launch for it (lowered for CUDA on any machine): GDN with grouped heads at K = V = 128 takes
+    the forward from the inverse and the training step's four programs; K != V has no kernel."""
+    S = jax.ShapeDtypeStruct
+    q, v, g = S((2, 256, 4, 128), jnp.bfloat16), S((2, 256, 8, 128), jnp.bfloat16), S((2, 256, 8), jnp.float32)
+    e = fla_jax.explain(fla_jax.chunk_gated_delta_rule, q, q, v, g, g, use_qk_l2norm_in_kernel=True)
+    assert e.kernels_take_it and e.op == "chunk_gated_delta_rule"
+    assert e.backend == ("tilelang" if fla_jax.backends()["tilelang"].usable else "xla")
+    short = lambda names: [n.rsplit("_c64_", 1)[1] for n in names]
+    assert short(e.forward) == ["inv_l2", "fused_t_l2_v32"], e.forward
+    assert short(e.training) == ["wy_t_l2", "fused_h", "dh", "grads_l2"], e.training
+    assert all(n.startswith("fla_delta_") and "_bf16_k128_v128_" in n for n in e.forward + e.training)
+    wide = fla_jax.explain(fla_jax.chunk_gated_delta_rule, q, q, S((2, 256, 8, 256), jnp.bfloat16), g, g)
+    assert wide.backend == "xla" and not wide.kernels_take_it and wide.forward == wide.training == ()
+    assert "no kernel built for dtype bfloat16, K = 128, V = 256" in wide.reason and "K = 128, V = 256" in str(wide)
+    asked = fla_jax.explain(fla_jax.chunk_gla, q, q, q, S((2, 256, 4, 128), jnp.float32), backend="xla")
+    assert asked.backend == "xla" and asked.reason == "backend 'xla' was asked for" and asked.kernels_take_it
+
+
+def test_explain_takes_packed_calls_and_refuses_other_functions():
+    S = jax.ShapeDtypeStruct
+    x, g = S((1, 256, 2, 64), jnp.bfloat16), S((1, 256, 2, 64), jnp.float32)
+    e = fla_jax.explain(fla_jax.chunk_gla, x, x, x, g, cu_seqlens=S((4,), jnp.int32), initial_state=S((3, 2, 64, 64), jnp.float32))
+    assert [n.rsplit("_c64_", 1)[1] for n in e.forward] == ["a", "fused"], e.forward
+    with pytest.raises(ValueError, match="`fn` must be one of fla_jax's ops"):
+        fla_jax.explain(lambda x: x, x)
