@@ -1,15 +1,19 @@
 """fla_jax: chunked linear-attention ops for JAX, with the meaning they have in fla 0.6.0."""
 
-from fla_jax._backends import BackendStatus, BackendUnavailableError, backends
+from fla_jax._backends import BackendStatus, BackendUnavailableError, FallbackWarning, backends
+from fla_jax._explain import Explanation, explain
 from fla_jax.ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gla, chunk_simple_gla
 
 __all__ = [
     "BackendStatus",
     "BackendUnavailableError",
+    "Explanation",
+    "FallbackWarning",
     "backends",
     "chunk_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_gla",
     "chunk_simple_gla",
+    "explain",
 ]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 from fla_jax import reference, tilelang_backend, xla
@@ -13,6 +14,11 @@ NAMES = ("auto", "reference", "xla", "tilelang")
 
 class BackendUnavailableError(ValueError):
     """The requested backend cannot run this call here; the message says why."""
+
+
+class FallbackWarning(UserWarning):
+    """`backend="auto"` ran a call on XLA on a machine where the TileLang kernels run, because they do
+    not take this call (the message says why)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,7 +42,7 @@ class Backend:
 
 
 _PURE = {"reference": Backend("reference", reference.run), "xla": Backend("xla", xla.run)}
-_TILELANG = Backend("tilelang", tilelang_backend.run, raw=True)
+TILELANG = Backend("tilelang", tilelang_backend.run, raw=True)
 
 
 def backends() -> dict[str, BackendStatus]:
@@ -63,8 +69,11 @@ def resolve(name: str, problem: Problem, *, K: int, V: int, varlen: bool, groupe
     if usable:
         reason = tilelang_backend.unsupported(problem, K=K, V=V, varlen=varlen, grouped=grouped, l2norm=l2norm)
     if reason is None:
-        return _TILELANG
+        return TILELANG
     if name == "auto":
+        if usable:  # on a Hopper GPU with the kernels built, a call they do not take runs several times slower: say so
+            warnings.warn(f"fla_jax: {problem.op} runs on the xla backend, not the TileLang kernels: {reason} "
+                          "(fla_jax.explain(op, *args, **kwargs) says what a call runs)", FallbackWarning, stacklevel=2)
         return _PURE["xla"]
     raise BackendUnavailableError(f"backend 'tilelang' cannot run {problem.op}: {reason}")
 
