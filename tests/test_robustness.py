@@ -245,3 +245,12 @@ def test_explain_takes_packed_calls_and_refuses_other_functions():
     assert [n.rsplit("_c64_", 1)[1] for n in e.forward] == ["a", "fused"], e.forward
     with pytest.raises(ValueError, match="`fn` must be one of fla_jax's ops"):
         fla_jax.explain(lambda x: x, x)
+
+
+def test_kernels_and_runtime_share_the_gate_floor():
+    """GLA's kernel clamps its per-channel gates at the value the runtime clamps scalar gates at."""
+    pytest.importorskip("tilelang")  # (the build extra: CI has it)
+    from fla_jax import xla
+    from kernels.gla import fwd
+
+    assert fwd.GATE_FLOOR == xla.GATE_FLOOR

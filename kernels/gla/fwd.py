@@ -37,10 +37,15 @@ def half_limit(dtype: str) -> float:
     return 60.0 if dtype == "bfloat16" else 4.0
 
 
+# Gates below this are summed as it (the runtime's `fla_jax.xla.GATE_FLOOR`): a decay of zero (g = -inf) is legal,
+# but in-chunk sums of -inf give -inf - -inf = NaN, and of -1e8 lose every small gate after it (GLA's o off by 2x).
+GATE_FLOOR = -110.0
+
+
 @T.macro
 def chunk_cumsum(g_s, threads):
-    """`g_s [BT, K]` (float32, shared memory) <- its cumulative sum along the rows, in place: a row
-    at a time, each thread's channels a running sum in registers.
+    """`g_s [BT, K]` (float32, shared memory) <- its cumulative sum along the rows, in place, each
+    gate taken as at least GATE_FLOOR: a row at a time, each thread's channels a running sum in registers.
 
     With fewer channels than threads (K = 64 in 128 threads) a `[K]` fragment is held twice, and
     two threads would read and write each element in place: a race (seen on the H200 at
@@ -54,7 +59,7 @@ def chunk_cumsum(g_s, threads):
     T.clear(run)
     for i in T.unroll(R):  # unrolled: the loads of later rows issue ahead of the running sum
         for b, c in T.Parallel(parts, K):
-            run[b, c] = run[b, c] + g_s[b * R + i, c]
+            run[b, c] = run[b, c] + T.max(g_s[b * R + i, c], GATE_FLOOR)
             g_s[b * R + i, c] = run[b, c]
     for b in range(1, parts):  # block b after block b - 1 is final
         for i, c in T.Parallel(R, K):
