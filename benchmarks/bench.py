@@ -30,21 +30,37 @@ ALIASES = {"gdn": "gated_delta_rule", "delta": "delta_rule"}
 ISSUE_SHAPES = ((4, 4096, 16, 128), (2, 8192, 16, 128), (4, 4096, 8, 256), (8, 2048, 16, 64))
 
 
-def make_inputs(op, B, T, H, D, seed=0):
+def parse_shape(text: str) -> tuple[int, ...]:
+    """`BxTxHxD` (K = V = D), `BxTxHxKxV`, or `BxTxHxKxVxHV` (HV value heads, GDN's grouped heads)."""
+    shape = tuple(int(n) for n in text.split("x"))
+    if len(shape) not in (4, 5, 6):
+        raise ValueError(f"a shape is BxTxHxD, BxTxHxKxV or BxTxHxKxVxHV, got {text!r}")
+    return shape
+
+
+def dims(shape) -> tuple[int, int, int, int, int, int]:
+    """`(B, T, H, K, V, HV)` of a benchmark shape."""
+    B, T, H, K, *rest = shape
+    V = rest[0] if rest else K
+    return B, T, H, K, V, rest[1] if len(rest) > 1 else H
+
+
+def make_inputs(op, *shape, seed=0):
+    B, T, H, K, V, HV = dims(shape)
     rng = np.random.default_rng(seed)
     x = {
-        "q": rng.standard_normal((B, T, H, D), np.float32),
-        "k": rng.standard_normal((B, T, H, D), np.float32),
-        "v": rng.standard_normal((B, T, H, D), np.float32),
-        "do": rng.standard_normal((B, T, H, D), np.float32),
+        "q": rng.standard_normal((B, T, H, K), np.float32),
+        "k": rng.standard_normal((B, T, H, K), np.float32),
+        "v": rng.standard_normal((B, T, HV, V), np.float32),
+        "do": rng.standard_normal((B, T, HV, V), np.float32),
     }
     logsig = lambda a: -np.logaddexp(0, -a)
     if op == "gla":
-        x["g"] = (logsig(rng.standard_normal((B, T, H, D))) / 16).astype(np.float32)
+        x["g"] = (logsig(rng.standard_normal((B, T, H, K))) / 16).astype(np.float32)
     elif op in ("simple_gla", "gated_delta_rule"):
-        x["g"] = logsig(rng.standard_normal((B, T, H))).astype(np.float32)
+        x["g"] = logsig(rng.standard_normal((B, T, HV))).astype(np.float32)
     if op in ("delta_rule", "gated_delta_rule"):
-        x["beta"] = (1 / (1 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32)
+        x["beta"] = (1 / (1 + np.exp(-rng.standard_normal((B, T, HV))))).astype(np.float32)
     return x
 
 
@@ -121,6 +137,11 @@ def bench_jax(impl, op, shape):
     return _jax_time(fwd, args), _jax_time(fwdbwd, args)
 
 
+def temp_mb(fn, args) -> float:
+    """The scratch memory XLA plans for a jitted function (`memory_analysis().temp_size_in_bytes`), MB."""
+    return round(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e6, 1)
+
+
 def bench_jax_rounds(impls, op, shape, rounds):
     """Rows for JAX implementations `impls` of one op and shape timed in turn `rounds` times
     (`--rounds`), each compiled first under its configuration: `fwd_ms` / `fwdbwd_ms` the median of
@@ -146,7 +167,7 @@ def bench_jax_rounds(impls, op, shape, rounds):
         ratio = lambda d, impl=impl: statistics.median(a / b for a, b in zip(per_round[impl][d], per_round[first][d]))
         rows[impl] = {"impl": impl, "op": op, "shape": shape, "fwd_ms": round(statistics.median(samples[impl][0]), 4),
                       "fwdbwd_ms": round(statistics.median(samples[impl][1]), 4), "fwd_ratio": round(ratio(0), 4),
-                      "fwdbwd_ratio": round(ratio(1), 4), "rounds": rounds}
+                      "fwdbwd_ratio": round(ratio(1), 4), "rounds": rounds, "step_temp_mb": temp_mb(steps[impl][1], steps[impl][2])}
     return [rows[impl] for impl in impls]
 
 
@@ -276,7 +297,7 @@ def bench_fla(op, shape, lift):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--shapes", default="issue", help="'issue' or BxTxHxD[,BxTxHxD...]")
+    ap.add_argument("--shapes", default="issue", help="'issue' or BxTxHxD[,...] (also BxTxHxKxV, BxTxHxKxVxHV)")
     ap.add_argument("--impls", default="fla_jax:xla,jla:mosaic_gpu,fla")
     ap.add_argument("--lift-fla-check", action="store_true")
     ap.add_argument("--json", default=None)
@@ -315,7 +336,7 @@ def main(argv=None):
     if args.delta_fwd_wy:
         tilelang_backend.DELTA_FWD_INVERSE = ()
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
-    shapes = ISSUE_SHAPES if args.shapes == "issue" else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    shapes = ISSUE_SHAPES if args.shapes == "issue" else [parse_shape(s) for s in args.shapes.split(",")]
     impls = args.impls.split(",")
     rows = []
 
@@ -354,6 +375,8 @@ def main(argv=None):
                     cells += [f"{r['fwd_ms']:.3f} ({r['fwd_ratio']:.3f}x)", f"{r['fwdbwd_ms']:.3f} ({r['fwdbwd_ratio']:.3f}x)"]
                 else:
                     cells += [f"{r['fwd_ms']:.3f}", f"{r['fwdbwd_ms']:.3f}"]
+                if "step_temp_mb" in r:  # (--rounds: the training step's scratch memory)
+                    cells[-1] += f" [{r['step_temp_mb']:.0f} MB]"
             print(f"| {op} | {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
     return rows
 
