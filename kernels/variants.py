@@ -408,7 +408,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the one-pass forward storing h in one warpgroup (the default before the warp-specialized one), with one
     # output warpgroup, with two and three stages. (The forward's experiments went when it took the gates per
     # step, G_SCAN: the one-warpgroup pass, V blocks of 128, 3 and 4 stages, one output warpgroup, two with two
-    # stages; their timings in benchmarks/RESULTS.md. Tried and not kept, 2026-12-03 on an H200: V blocks of
+    # stages; their timings in the git history of benchmarks/RESULTS.md. Tried and not kept, 2026-12-03 on an H200: V blocks of
     # 32, two programs per SM, 0.221 against 0.139 ms at 4,4096,16,128 but 0.198 against 0.266 at
     # 2,8192,16,128 where 64 programs leave half the GPU idle; the output's two GEMMs in flight together with
     # P in registers, 0.135 against 0.139.)
