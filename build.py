@@ -1,6 +1,6 @@
 """Builds fla_jax's CUDA kernels ahead of time, on a machine with or without a GPU.
 
-    python build.py [--jobs N] [--force] [--experiments]
+    python build.py [--jobs N] [--force] [--experiments] [--wheel]
 
 For every dispatched program of every variant in `kernels/variants.py` (and with `--experiments` the
 experimental ones declared beside them):
@@ -403,12 +403,47 @@ def build_extension(targets: list[str], cuda: Path, jobs: int) -> None:
     os.replace(tmp, EXT)
 
 
+def write_wheel(dist: Path) -> Path:
+    """The runtime as a wheel in `dist`: fla_jax's modules and the built extension, tagged for CPython >= 3.12's
+    stable ABI on this platform; no `kernels/` (build time only) and no build requirements."""
+    import base64
+    import tomllib
+    import zipfile
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name, version = project["name"], project["version"]
+    tag = "cp312-abi3-" + sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    info = f"{name}-{version}.dist-info"
+    files = {f"fla_jax/{p.relative_to(ROOT / 'fla_jax').as_posix()}": p.read_bytes()
+             for p in sorted((ROOT / "fla_jax").rglob("*.py")) if "__pycache__" not in p.parts}
+    files["fla_jax/_ext.abi3.so"] = EXT.read_bytes()
+    extras = project.get("optional-dependencies", {})
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", f"Summary: {project['description']}",
+             f"Requires-Python: {project['requires-python']}", *(f"Requires-Dist: {d}" for d in project["dependencies"])]
+    for extra in ("demo",):  # (test and build are the checkout's, not a user's)
+        lines += [f"Provides-Extra: {extra}", *(f'Requires-Dist: {d}; extra == "{extra}"' for d in extras.get(extra, ()))]
+    files[f"{info}/METADATA"] = ("\n".join(lines) + "\n\n" + (ROOT / "README.md").read_text()).encode()
+    files[f"{info}/WHEEL"] = f"Wheel-Version: 1.0\nGenerator: fla_jax build.py\nRoot-Is-Purelib: false\nTag: {tag}\n".encode()
+    files[f"{info}/top_level.txt"] = b"fla_jax\n"
+    digest = lambda b: "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b"=").decode()
+    record = [f"{n},{digest(b)},{len(b)}" for n, b in files.items()] + [f"{info}/RECORD,,"]
+    files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    dist.mkdir(parents=True, exist_ok=True)
+    wheel = dist / f"{name}-{version}-{tag}.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        for n, b in files.items():
+            zf.writestr(n, b)
+    return wheel
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Builds fla_jax's TileLang kernels and FFI extension.")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--force", action="store_true", help="rebuild every kernel, ignoring the cache")
     ap.add_argument("--experiments", action="store_true",
                     help="also build the experimental programs (kernels/variants.py EXPERIMENTS), for benchmarks")
+    ap.add_argument("--wheel", action="store_true",
+                    help="then write dist/fla_jax-<version>-cp312-abi3-<platform>.whl: the runtime and the extension")
     args = ap.parse_args(argv)
     cuda = cuda_home()
     if cuda is None:
@@ -463,6 +498,11 @@ def main(argv=None) -> int:
         return 1
     build_extension(targets, cuda, args.jobs)
     print(f"build.py: {len(targets)} kernels in {EXT.relative_to(ROOT)} ({time.time() - t0:.0f}s)")
+    if args.wheel:
+        if args.experiments:  # (an install holds the dispatched programs alone)
+            print("build.py: --wheel builds without --experiments")
+            return 1
+        print(f"build.py: wrote {write_wheel(ROOT / 'dist').relative_to(ROOT)}")
     return 0
 
 

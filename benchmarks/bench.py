@@ -198,7 +198,7 @@ def _alternative(spec: str):
     `-DELTA_GRADS_KERNEL`) and
     `op.direction.program=experiment` entries."""
     from fla_jax import tilelang_backend as tb
-    from kernels import variants
+    from fla_jax import _variants as variants
 
     saved = (tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT, dict(tb.EXPERIMENT_OVERRIDES))
     switches = {}

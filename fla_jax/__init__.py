@@ -1,6 +1,7 @@
 """fla_jax: chunked linear-attention ops for JAX, with the meaning they have in fla 0.6.0."""
 
 from fla_jax._backends import BackendStatus, BackendUnavailableError, FallbackWarning, backends
+from fla_jax._checks import check_cu_seqlens
 from fla_jax._explain import Explanation, explain
 from fla_jax.ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gla, chunk_simple_gla
 
@@ -10,6 +11,7 @@ __all__ = [
     "Explanation",
     "FallbackWarning",
     "backends",
+    "check_cu_seqlens",
     "chunk_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_gla",

@@ -71,10 +71,11 @@ def cu_seqlens(cu, B: int, T: int) -> tuple[jax.Array | None, jax.Array | None]:
     """Checks `cu_seqlens [N + 1]`: `(cu as int32, valid)`.
 
     Concrete values are checked here (a ValueError names them). Traced values cannot be: then
-    `valid` is a traced bool scalar, the table returned is the user's where it is valid and
-    otherwise one that no kernel can read out of bounds with (a single sequence of all T tokens,
-    the others empty), and the op makes every output NaN where `valid` is False. Under
-    `jax.experimental.checkify.checkify` an invalid table is also reported as an error."""
+    `valid` (`cu_seqlens_valid`) is a traced bool scalar, the table returned is the user's where it
+    is valid and otherwise one that no kernel can read out of bounds with (a single sequence of all T
+    tokens, the others empty), and the op makes every output NaN where `valid` is False.
+    (`fla_jax.check_cu_seqlens` reports an invalid table as an error under checkify, where a user asks:
+    a check inside every op would make its jaxpr effectful, which `jax.export` cannot serialize.)"""
     if cu is None:
         return None, None
     cu = array("cu_seqlens", cu, rank=1, floating=False)
@@ -92,11 +93,30 @@ def cu_seqlens(cu, B: int, T: int) -> tuple[jax.Array | None, jax.Array | None]:
         if values[0] != 0 or values[-1] != T or np.any(np.diff(values) < 0):
             raise ValueError(f"`cu_seqlens` must start at 0, end at T = {T} and not decrease, got {values.tolist()}")
         return cu.astype(jnp.int32), None
-    # (compared in the given dtype: a cast to int32 first could wrap an out-of-range value into range)
-    valid = (cu[0] == 0) & (cu[-1] == T) & jnp.all(cu[1:] >= cu[:-1])
-    checkify.debug_check(valid, f"`cu_seqlens` must start at 0, end at T = {T} and not decrease")
+    valid = cu_seqlens_valid(cu, T)
     fallback = jnp.full(cu.shape, T, jnp.int32).at[0].set(0)
     return jnp.where(valid, cu.astype(jnp.int32), fallback), valid
+
+
+def cu_seqlens_valid(cu: jax.Array, T: int) -> jax.Array:
+    """Whether `cu` starts at 0, ends at T and never decreases (a bool scalar, traced or not); compared in
+    its own dtype (a cast to int32 first could wrap an out-of-range value into range)."""
+    return (cu[0] == 0) & (cu[-1] == T) & jnp.all(cu[1:] >= cu[:-1])
+
+
+def check_cu_seqlens(cu_seqlens, T: int) -> None:
+    """Checks a `cu_seqlens` table for a packed row of `T` tokens: a ValueError where its values are
+    concrete and invalid; where they are traced, a `jax.experimental.checkify.check` (call it inside a
+    function that `checkify.checkify` transforms). The ops themselves answer an invalid traced table
+    with NaN outputs and no error."""
+    cu = array("cu_seqlens", cu_seqlens, rank=1, floating=False)
+    try:
+        values = np.asarray(cu)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        checkify.check(cu_seqlens_valid(cu, T), f"`cu_seqlens` must start at 0, end at T = {T} and not decrease")
+        return
+    if not bool(cu_seqlens_valid(values, T)):
+        raise ValueError(f"`cu_seqlens` must start at 0, end at T = {T} and not decrease, got {values.tolist()}")
 
 
 def initial_state(h0, N: int, H: int, K: int, V: int, what: str) -> jax.Array | None:

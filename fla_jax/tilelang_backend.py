@@ -48,10 +48,7 @@ if _ext is not None:
     for _name, _capsule in _ext.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
-try:
-    from kernels.variants import find as _find_variant
-except ImportError:  # an installed wheel without the kernels package: nothing is built either
-    _find_variant = None
+from fla_jax._variants import find as _find_variant
 
 
 # The delta-rule backward's per-chunk part by the simple GLA consumer kernel on v_new
@@ -195,7 +192,7 @@ def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2no
     if p.chunk_size != 64:
         return f"the kernels use chunk_size 64, got {p.chunk_size}"
     op = "delta" if p.delta else p.op
-    variants = [None if _find_variant is None else _find_variant(op, d, p.dtype, K, V) for d in ("fwd", "bwd")]
+    variants = [_find_variant(op, d, p.dtype, K, V) for d in ("fwd", "bwd")]
     if None in variants:
         return f"no kernel built for dtype {p.dtype}, K = {K}, V = {V} (built: bf16/fp16 with K = V in 64, 128, 256)"
     missing = sorted({v.target(prog) for v in variants for prog in v.programs} - set(registered())) if installed else ()
@@ -315,7 +312,7 @@ def _chosen(p: Problem, direction: str, prog) -> bool:
 
 
 def _program(p: Problem, direction: str, K: int, name: str):
-    """The `kernels.variants.Program` of one kind that runs: the dispatched one, or the experiment
+    """The `fla_jax._variants.Program` of one kind that runs: the dispatched one, or the experiment
     that `EXPERIMENT_OVERRIDES` puts in its place (its config decides how its inputs are laid out)."""
     variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, K)
     chosen = next((prog for prog in variant.experiments if prog.of == name and _chosen(p, direction, prog)), None)

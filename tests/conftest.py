@@ -1,4 +1,9 @@
 import os
+import sys
+from pathlib import Path
+
+# The build-time package `kernels/` (TileLang programs) is imported from the checkout: it is no installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Eight host devices for the sharding tests; must be set before JAX starts its CPU backend.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

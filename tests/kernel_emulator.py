@@ -504,7 +504,7 @@ DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": d
 def _programs():
     """Each built program by target name: its kind (the dispatched program's name, which an
     experiment stands in for) and its config."""
-    from kernels import variants
+    from fla_jax import _variants as variants
 
     return {v.target(p): (p.of or p.name, dict(p.config)) for v in variants.VARIANTS for p in v.declared}
 

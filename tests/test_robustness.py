@@ -69,14 +69,25 @@ def test_invalid_traced_cu_seqlens_gives_nan_everywhere(name, backend):
     np.testing.assert_allclose(np.asarray(ht_ok), np.asarray(want_ht), rtol=1e-6, atol=1e-6)
 
 
-def test_invalid_traced_cu_seqlens_is_an_error_under_checkify():
+def test_invalid_traced_cu_seqlens_is_an_error_where_asked():
+    """`fla_jax.check_cu_seqlens`: a checkify error for a traced table (inside `checkify.checkify`), a
+    ValueError for a concrete one; the op itself stays free of effects (`jax.export` serializes it)."""
     case, diff = _inputs("simple_gla", cu=VALID_CU)
-    f = checkify.checkify(jax.jit(lambda cu: _call(case, diff, "xla", cu_seqlens=cu)[0]))
-    err, _ = f(jnp.asarray(HOSTILE_CU["past_T"], jnp.int32))
+
+    def f(cu):
+        fla_jax.check_cu_seqlens(cu, T)
+        return _call(case, diff, "xla", cu_seqlens=cu)[0]
+
+    checked = checkify.checkify(jax.jit(f))
+    err, _ = checked(jnp.asarray(HOSTILE_CU["past_T"], jnp.int32))
     with pytest.raises(checkify.JaxRuntimeError, match="`cu_seqlens` must start at 0, end at T = 130"):
         err.throw()
-    err, _ = f(jnp.asarray(VALID_CU, jnp.int32))
+    err, _ = checked(jnp.asarray(VALID_CU, jnp.int32))
     err.throw()  # (a valid table: no error)
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must start at 0, end at T = 130 and not decrease, got \[0, 500"):
+        fla_jax.check_cu_seqlens(np.asarray(HOSTILE_CU["past_T"]), T)
+    exported = jax.export.export(jax.jit(lambda cu: _call(case, diff, "xla", cu_seqlens=cu)[0]))(jnp.asarray(VALID_CU, jnp.int32))
+    assert exported.serialize()
 
 
 def test_int64_cu_seqlens_is_checked_before_the_cast():

@@ -15,7 +15,7 @@ from cases import DELTA_BWD_MODES, set_delta_bwd_mode, GATE_SCAN_EXPERIMENTS, OP
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _problem, tilelang_backend
-from kernels import variants
+from fla_jax import _variants as variants
 
 pytestmark = pytest.mark.skipif(not tilelang_backend.registered(), reason="the TileLang extension is not built (python build.py)")
 on_hopper = pytest.mark.skipif(not fla_jax.backends()["tilelang"].usable, reason=str(fla_jax.backends()["tilelang"]))
@@ -24,7 +24,7 @@ on_hopper = pytest.mark.skipif(not fla_jax.backends()["tilelang"].usable, reason
 def test_every_variant_is_registered():
     """Every dispatched program is registered; anything else registered is a declared experiment
     (`build.py --experiments`)."""
-    from kernels.variants import VARIANTS
+    from fla_jax._variants import VARIANTS
 
     dispatched = {v.target(p) for v in VARIANTS for p in v.programs}
     experiments = {v.target(p) for v in VARIANTS for p in v.experiments}
@@ -681,7 +681,7 @@ def test_build_outputs_for_every_program():
     from pathlib import Path
 
     import build
-    from kernels.variants import VARIANTS
+    from fla_jax._variants import VARIANTS
 
     gen = Path(__file__).resolve().parent.parent / "build" / "gen"
     for v in VARIANTS:
@@ -713,7 +713,7 @@ def test_cubin_launcher_reads_every_program():
     import ctypes
     from pathlib import Path
 
-    from kernels.variants import VARIANTS
+    from fla_jax._variants import VARIANTS
 
     root = Path(__file__).resolve().parent.parent
     tool = _ncu_program()

@@ -12,7 +12,7 @@ from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _backends, tilelang_backend, xla
 from fla_jax._problem import Problem
-from kernels.variants import HEAD_DIMS, VARIANTS
+from fla_jax._variants import HEAD_DIMS, VARIANTS
 
 CASES = [
     Case("simple_gla", 2, 100, 2, 64, 64, dtype="bfloat16", h0=True),
