@@ -141,7 +141,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--d-model", type=_at_least(1), default=64, help="model width")
     ap.add_argument("--layers", type=_at_least(1), default=2, help="attention + MLP blocks")
     ap.add_argument("--heads", type=_at_least(1), default=2, help="attention heads")
-    ap.add_argument("--head-dim", type=_at_least(1), default=32, help="head dim (K = V)")
+    ap.add_argument("--head-dim", type=_at_least(1), default=None,
+                    help="head dim (K = V); default 64 where the TileLang kernels run (they take 64, 128, 256), else 32")
     ap.add_argument("--layer", choices=("gdn", "gla"), default="gdn", help="attention layer")
     ap.add_argument("--heads-parallel", type=_at_least(1), default=1, help="devices to split the heads over")
     ap.add_argument("--backend", default="auto", choices=("auto", "xla", "reference", "tilelang"), help="the ops' backend")
@@ -176,6 +177,8 @@ def setup(args: argparse.Namespace) -> Setup:
     mesh = jax.make_mesh((dp, tp), ("data", "model"), axis_types=(auto, auto))
     data_sharding = NamedSharding(mesh, P("data"))
     op = "gated_delta_rule" if args.layer == "gdn" else "gla"
+    if args.head_dim is None:
+        args.head_dim = 64 if fla_jax.backends()["tilelang"].usable and args.backend in ("auto", "tilelang") else 32
     call = {"K": args.head_dim, "V": args.head_dim, "varlen": False, "grouped": False, "l2norm": args.layer == "gdn"}
     dtype = args.dtype
     if dtype == "auto":
@@ -237,8 +240,9 @@ def main(argv=None):
             print(f"step {step:4d}  loss {loss:.3f}  (compiled in {time.perf_counter() - t_start:.1f}s)", flush=True)
             continue
         step_times.append(time.perf_counter() - t0)
-        if step % args.log_every == 0 or step == args.steps:
-            print(f"step {step:4d}  loss {loss:.3f}  {_speed(step_times, tokens_per_step, devices)}", flush=True)
+        if step % args.log_every == 0 or step == args.steps:  # (the speed over the steps since the last line)
+            window = step_times[-(step % args.log_every or args.log_every):]
+            print(f"step {step:4d}  loss {loss:.3f}  {_speed(window, tokens_per_step, devices)}", flush=True)
     total = time.perf_counter() - t_start
     print(f"done: loss {first_loss:.3f} -> {loss:.3f} (floor {floor:.2f}) in {total:.1f}s with backend {backend}")
     if not math.isfinite(loss):
@@ -249,8 +253,8 @@ def main(argv=None):
 
 
 def _speed(step_times: list[float], tokens_per_step: int, devices: int) -> str:
-    """Tokens/s over the steps timed so far (each step from its dispatch to its loss on the host), per
-    device, and the median step."""
+    """Tokens/s over the steps given (each step from its dispatch to its loss on the host), per device,
+    and the median step."""
     rate = len(step_times) * tokens_per_step / sum(step_times)
     return f"{rate:,.0f} tokens/s ({rate / devices:,.0f} per device), median step {1e3 * float(np.median(step_times)):.1f} ms"
 
