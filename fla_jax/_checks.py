@@ -85,13 +85,8 @@ def cu_seqlens(cu, B: int, T: int) -> tuple[jax.Array | None, jax.Array | None]:
         raise ValueError(f"`cu_seqlens` must have shape [N + 1] with N >= 1, got {tuple(cu.shape)}")
     if B != 1:
         raise ValueError(f"with `cu_seqlens` the batch size B must be 1 (sequences packed along T), got B = {B}")
-    try:
-        values = np.asarray(cu)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None
-    if values is not None:
-        if values[0] != 0 or values[-1] != T or np.any(np.diff(values) < 0):
-            raise ValueError(f"`cu_seqlens` must start at 0, end at T = {T} and not decrease, got {values.tolist()}")
+    if _concrete(cu) is not None:
+        check_cu_seqlens(cu, T)
         return cu.astype(jnp.int32), None
     valid = cu_seqlens_valid(cu, T)
     fallback = jnp.full(cu.shape, T, jnp.int32).at[0].set(0)
@@ -110,13 +105,20 @@ def check_cu_seqlens(cu_seqlens, T: int) -> None:
     function that `checkify.checkify` transforms). The ops themselves answer an invalid traced table
     with NaN outputs and no error."""
     cu = array("cu_seqlens", cu_seqlens, rank=1, floating=False)
+    what = f"`cu_seqlens` must start at 0, end at T = {T} and not decrease"
+    values = _concrete(cu)
+    if values is None:
+        checkify.check(cu_seqlens_valid(cu, T), what)
+    elif not bool(cu_seqlens_valid(values, T)):
+        raise ValueError(f"{what}, got {values.tolist()}")
+
+
+def _concrete(x) -> np.ndarray | None:
+    """`x`'s values, or None where they are traced."""
     try:
-        values = np.asarray(cu)
+        return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        checkify.check(cu_seqlens_valid(cu, T), f"`cu_seqlens` must start at 0, end at T = {T} and not decrease")
-        return
-    if not bool(cu_seqlens_valid(values, T)):
-        raise ValueError(f"`cu_seqlens` must start at 0, end at T = {T} and not decrease, got {values.tolist()}")
+        return None
 
 
 def initial_state(h0, N: int, H: int, K: int, V: int, what: str) -> jax.Array | None:

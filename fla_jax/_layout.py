@@ -75,8 +75,7 @@ def make_layout(T: int, cu_seqlens: jax.Array | None, chunk: int) -> Layout:
     start = jnp.concatenate([first, first[-1:] + nchunks[-1:]])
     nt = cdiv(T + n * (chunk - 1), chunk)
     t = jnp.arange(T, dtype=jnp.int32)
-    sid = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
-    sid = jnp.clip(sid, 0, n - 1)
+    sid = token_sequences(cu, T)
     slot = start[sid] * chunk + (t - cu[sid])
     c = jnp.arange(nt, dtype=jnp.int32)
     cseq = jnp.searchsorted(start, c, side="right").astype(jnp.int32) - 1
@@ -90,6 +89,12 @@ def make_layout(T: int, cu_seqlens: jax.Array | None, chunk: int) -> Layout:
         last=jnp.maximum(start[:-1] + nchunks - 1, 0),
         nonempty=nchunks > 0,
     )
+
+
+def token_sequences(cu_seqlens: jax.Array, T: int) -> jax.Array:
+    """`[T]` int32 sequence of each token of the packed row (empty sequences hold none)."""
+    t = jnp.arange(T, dtype=jnp.int32)
+    return jnp.clip(jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1, 0, cu_seqlens.shape[0] - 2)
 
 
 def chunk_ranges(cu_seqlens: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:

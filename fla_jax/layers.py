@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fla_jax import _layout
 from fla_jax.ops import chunk_gated_delta_rule, chunk_gla
 
 
@@ -27,8 +28,7 @@ def _positions(T: int, cu_seqlens: jax.Array | None) -> jax.Array:
     t = jnp.arange(T, dtype=jnp.int32)
     if cu_seqlens is None:
         return t
-    sid = jnp.searchsorted(cu_seqlens, t, side="right") - 1
-    return t - cu_seqlens[jnp.clip(sid, 0, cu_seqlens.shape[0] - 2)]
+    return t - cu_seqlens[_layout.token_sequences(cu_seqlens, T)]
 
 
 class ShortConvolution(nnx.Module):

@@ -95,10 +95,9 @@ def _poison(o, ht, bad_q, bad, cu_seqlens):
     if cu_seqlens is None:
         poisoned, seq_bad = last_bad >= 0, jnp.any(bad, axis=1)  # [B, H] final states
     else:
-        N = cu_seqlens.shape[0] - 1
-        seq = jnp.clip(jnp.searchsorted(cu_seqlens, t[0, :, 0], side="right") - 1, 0, N - 1)
+        seq = _layout.token_sequences(cu_seqlens, T)
         poisoned = last_bad >= cu_seqlens[seq][None, :, None]
-        seq_bad = jax.ops.segment_max(bad[0].astype(jnp.int32), seq, num_segments=N) > 0  # (empty: the identity, < 0)
+        seq_bad = jax.ops.segment_max(bad[0].astype(jnp.int32), seq, num_segments=cu_seqlens.shape[0] - 1) > 0  # (empty: < 0)
     o = jnp.where((poisoned | bad_q)[..., None], jnp.asarray(jnp.nan, o.dtype), o)
     return o, jnp.where(seq_bad[..., None, None], jnp.asarray(jnp.nan, ht.dtype), ht)
 
