@@ -15,6 +15,7 @@ import argparse
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -151,6 +152,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
     ap.add_argument("--log-every", type=_at_least(1), default=25, help="steps between log lines")
     ap.add_argument("--seed", type=int, default=0, help="seed of the data and the parameters")
+    ap.add_argument("--out", default="fla_jax_demo", help="folder for the loss curve (loss.png) and the summary line (summary.txt)")
     return ap.parse_args(argv)
 
 
@@ -193,6 +195,13 @@ def setup(args: argparse.Namespace) -> Setup:
           f"op backend: {backend}")
     for status in fla_jax.backends().values():
         print(f"  backend {status}")
+    if backend == "tilelang":  # the kernel programs a layer's training step launches
+        B, H, K = args.batch // dp, args.heads // tp, args.head_dim
+        x, gates = jax.ShapeDtypeStruct((B, args.seq_len, H, K), dtype), (B, args.seq_len, H) + ((K,) if op == "gla" else ())
+        g = jax.ShapeDtypeStruct(gates, jnp.float32)
+        e = (fla_jax.explain(fla_jax.chunk_gated_delta_rule, x, x, x, g, g, use_qk_l2norm_in_kernel=True) if op == "gated_delta_rule"
+             else fla_jax.explain(fla_jax.chunk_gla, x, x, x, g))
+        print(f"  kernels of a layer's training step: {', '.join(e.training)}")
 
     logP, floor = markov_chain(args.vocab, 4, args.seed)
     print(f"data: sparse Markov chain over {args.vocab} tokens; loss starts near {math.log(args.vocab):.2f}, floor {floor:.2f} nats")
@@ -229,12 +238,13 @@ def main(argv=None):
     key = jax.random.key(args.seed + 1)
     tokens_per_step = args.batch * args.seq_len
     t_start = time.perf_counter()
-    step_times, first_loss, loss = [], None, None
+    step_times, first_loss, loss, losses = [], None, None, []
     for step in range(1, args.steps + 1):
         key, sub = jax.random.split(key)
         tokens = make_batch(sub).block_until_ready()  # sampling the chain (a scan over time) is not timed
         t0 = time.perf_counter()
         loss = float(train_step(model, optimizer, tokens))
+        losses.append(loss)
         if first_loss is None:
             first_loss = loss  # the first step includes compilation
             print(f"step {step:4d}  loss {loss:.3f}  (compiled in {time.perf_counter() - t_start:.1f}s)", flush=True)
@@ -247,9 +257,38 @@ def main(argv=None):
     print(f"done: loss {first_loss:.3f} -> {loss:.3f} (floor {floor:.2f}) in {total:.1f}s with backend {backend}")
     if not math.isfinite(loss):
         raise SystemExit(f"the loss is {loss}: training diverged")
+    speed = _speed(step_times, tokens_per_step, devices) if step_times else "one step: no speed measured"
     if step_times:
-        print(f"training steps: {_speed(step_times, tokens_per_step, devices)}")
+        print(f"training steps: {speed}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = (f"fla_jax demo: {args.layers} x {args.layer}, backend {backend}, {args.steps} steps of {tokens_per_step} tokens "
+               f"on {devices} device(s): loss {first_loss:.3f} -> {loss:.3f} (floor {floor:.2f}), {speed}")
+    (out / "summary.txt").write_text(summary + "\n")
+    write_loss_png(out / "loss.png", losses, floor)
+    print(f"wrote {out / 'loss.png'} and {out / 'summary.txt'}")
     return first_loss, loss
+
+
+def write_loss_png(path, losses: list[float], floor: float, size: tuple[int, int] = (480, 240)) -> None:
+    """The loss per step as a line on white (the chain's entropy floor a grey line), a PNG written with
+    zlib alone: the demo needs no plotting library."""
+    import struct
+    import zlib
+
+    W, H = size
+    img = np.full((H, W), 255, np.uint8)
+    img[[8, H - 9], 8 : W - 8] = img[8 : H - 8, [8, W - 9]] = 0  # the frame
+    lo, hi = min(min(losses), floor), max(losses)
+    y = lambda v: np.round((H - 12) - (v - lo) / max(hi - lo, 1e-9) * (H - 24)).astype(int)
+    img[y(floor), 9 : W - 9 : 2] = 150
+    xs = np.linspace(9, W - 10, len(losses)) if len(losses) > 1 else np.array([W / 2])
+    fine = np.linspace(0, len(losses) - 1, 4 * W)  # the polyline, sampled densely
+    img[y(np.interp(fine, np.arange(len(losses)), losses)), np.round(np.interp(fine, np.arange(len(losses)), xs)).astype(int)] = 0
+    rows = b"".join(b"\x00" + r.tobytes() for r in img)
+    chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 0, 0, 0, 0))
+                           + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b""))
 
 
 def _speed(step_times: list[float], tokens_per_step: int, devices: int) -> str:
