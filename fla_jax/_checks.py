@@ -93,10 +93,12 @@ def cu_seqlens(cu, B: int, T: int) -> tuple[jax.Array | None, jax.Array | None]:
     return jnp.where(valid, cu.astype(jnp.int32), fallback), valid
 
 
-def cu_seqlens_valid(cu: jax.Array, T: int) -> jax.Array:
-    """Whether `cu` starts at 0, ends at T and never decreases (a bool scalar, traced or not); compared in
-    its own dtype (a cast to int32 first could wrap an out-of-range value into range)."""
-    return (cu[0] == 0) & (cu[-1] == T) & jnp.all(cu[1:] >= cu[:-1])
+def cu_seqlens_valid(cu, T: int):
+    """Whether `cu` starts at 0, ends at T and never decreases: a bool for NumPy values (NumPy's own ops:
+    jnp's would be staged inside a trace), else a bool scalar array; compared in its own dtype (a cast to
+    int32 first could wrap an out-of-range value into range)."""
+    xp = np if isinstance(cu, np.ndarray) else jnp
+    return (cu[0] == 0) & (cu[-1] == T) & xp.all(cu[1:] >= cu[:-1])
 
 
 def check_cu_seqlens(cu_seqlens, T: int) -> None:
