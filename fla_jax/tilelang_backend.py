@@ -215,7 +215,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     layout = _layout.make_layout(T, cu_seqlens, C)
     g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)  # GLA: [B, T, H, K]
     if g32.ndim == 3:  # (a decay of zero, g = -inf, as the xla backend takes it: `xla.GATE_FLOOR`; fused into XLA's
-        g32 = jnp.maximum(g32, xla.GATE_FLOOR)  # in-chunk sums. GLA's per-channel gates go to its kernel as given)
+        g32 = jnp.maximum(g32, xla.GATE_FLOOR)  # in-chunk sums. GLA's kernel clamps its per-channel gates itself)
     beta = beta.astype(jnp.float32) if p.delta else None
     q, k, v, g32, beta = (_layout.pack(x, layout) for x in (q, k, v, g32, beta))
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
