@@ -6,7 +6,7 @@
 #   run(command="OUT=$OUT bash benchmarks/standing.sh", carry=[".whl", "fla_jax/_ext.abi3.so"])
 #
 # SET picks the shapes: `core` (every op at 4x4096x16x128 and 8x2048x16x64, GDN's grouped and long shapes; ~300 s),
-# `issue39` (the redesign issue's four shapes), or a list for bench.py --shapes; OPS the ops; ROUNDS the rounds (3);
+# `issue39` (the redesign issue's four shapes), `issue40` (K != V), or a list for bench.py --shapes; OPS the ops; ROUNDS the rounds (3);
 # FLA=1 adds fla's Triton ops after ours (its autotuning takes 1-2 min an op and shape).
 set -u
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -21,6 +21,10 @@ case ${SET:-core} in
   core)
     run "${OPS:-simple_gla,gla,delta_rule,gdn}" 4x4096x16x128,8x2048x16x64 all
     run gdn 8x4096x16x128x128x32,2x4096x16x128x128x32,1x32768x16x128,4x4096x8x256 gdn;;
+  issue40)  # K != V (the issue's shapes), V in parts on the square programs
+    run gdn 4x4096x16x128x256,2x4096x8x256x512,8x4096x16x128x128x32 gdn40
+    run delta_rule,simple_gla 4x4096x16x128x256 dsg40
+    run gla 4x4096x16x64x128,8x2048x16x128x64 gla40;;
   issue39) run "${OPS:-simple_gla,gla,delta_rule,gdn}" 4x4096x16x128,2x8192x16x128,8x2048x16x64,4x4096x8x256 issue39;;
   *) run "${OPS:-simple_gla,gla,delta_rule,gdn}" "$SET" set;;
 esac

@@ -24,6 +24,8 @@ class Explanation:
       forward: the kernel programs (FFI targets) of the forward with no gradient, where the kernels take
         the call: what runs on a Hopper GPU with the extension built.
       training: those of `value_and_grad` (the forward storing what the backward needs, and the backward).
+      tiling: how the call's K and V map onto the programs, which are built for K = V (`fla_jax._tiling`):
+        e.g. V in parts as more value heads; None where the kernels do not take the call.
     """
 
     op: str
@@ -32,11 +34,13 @@ class Explanation:
     reason: str | None
     forward: tuple[str, ...]
     training: tuple[str, ...]
+    tiling: str | None = None
 
     def __str__(self) -> str:
         lines = [f"{self.op}: backend {self.backend}" + (f" (not the TileLang kernels: {self.reason})" if self.reason else "")]
         if self.kernels_take_it:
             where = "" if self.backend == "tilelang" else " on a Hopper GPU with the extension built"
+            lines.append(f"  head dims: {self.tiling}")
             lines.append(f"  kernels{where}: forward {', '.join(self.forward)}")
             lines.append(f"  kernels{where}: training step {', '.join(self.training)}")
         return "\n".join(lines)
@@ -73,9 +77,11 @@ def explain(fn, *args, **kwargs) -> Explanation:
     else:
         reason = coverage or here
     forward = training = ()
+    tiling = None
     if coverage is None:
         forward, training = _kernel_programs(plan)
-    return Explanation(getattr(fn, "__name__", str(fn)), plan["backend"], coverage is None, reason, forward, training)
+        tiling = str(tilelang_backend.tiling(problem, call["K"], call["V"]))
+    return Explanation(getattr(fn, "__name__", str(fn)), plan["backend"], coverage is None, reason, forward, training, tiling)
 
 
 def _kernel_programs(plan) -> tuple[tuple[str, ...], tuple[str, ...]]:

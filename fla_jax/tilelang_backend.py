@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fla_jax import _layout, _partition, xla
+from fla_jax import _layout, _partition, _tiling, xla
 from fla_jax._problem import Problem, l2_normalise
 
 def _load_extension(name: str = "fla_jax._ext"):
@@ -48,7 +48,7 @@ if _ext is not None:
     for _name, _capsule in _ext.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
-from fla_jax._variants import find as _find_variant
+from fla_jax._variants import HEAD_DIMS, find as _find_variant
 
 
 # The delta-rule backward's per-chunk part by the simple GLA consumer kernel on v_new
@@ -191,10 +191,13 @@ def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2no
     del varlen, grouped, l2norm  # grouped heads and l2 normalisation exist only for the delta rules
     if p.chunk_size != 64:
         return f"the kernels use chunk_size 64, got {p.chunk_size}"
+    t = _tiling.tiling(p.op, K, V, HEAD_DIMS)
+    if isinstance(t, str):
+        return t
     op = "delta" if p.delta else p.op
-    variants = [_find_variant(op, d, p.dtype, K, V) for d in ("fwd", "bwd")]
+    variants = [_find_variant(op, d, p.dtype, t.D, t.D) for d in ("fwd", "bwd")]
     if None in variants:
-        return f"no kernel built for dtype {p.dtype}, K = {K}, V = {V} (built: bf16/fp16 with K = V in 64, 128, 256)"
+        return f"no kernel built for dtype {p.dtype} (built: bfloat16 and float16)"
     missing = sorted({v.target(prog) for v in variants for prog in v.programs} - set(registered())) if installed else ()
     if missing:
         return f"the built extension lacks {missing[0]} (and {len(missing) - 1} more): rebuild with `python build.py`"
@@ -212,6 +215,8 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     taken inside the op (`_op`), by XLA or by the kernel that reads them (`g_scan`)."""
     T = q.shape[1]
     C = p.chunk_size
+    t = tiling(p, q.shape[-1], v.shape[-1])
+    q, k, v, g, beta, h0 = _tiling.fold(t, delta=p.delta, q=q, k=k, v=v, g=g, beta=beta, h0=h0)
     layout = _layout.make_layout(T, cu_seqlens, C)
     g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)  # GLA: [B, T, H, K]
     if g32.ndim == 3:  # (a decay of zero, g = -inf, as the xla backend takes it: `xla.GATE_FLOOR`; fused into XLA's
@@ -222,7 +227,15 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     tokens = (q, k, v, g32) + ((beta,) if p.delta else ())
     state = () if h0 is None else (h0.astype(jnp.float32),)
     o, ht = _op(p, float(scale), l2norm, h0 is not None, *tokens, *state, *tables)
-    return _layout.unpack(o, layout, T), ht
+    return _tiling.unfold(t, _layout.unpack(o, layout, T), ht)
+
+
+def tiling(p: Problem, K: int, V: int) -> _tiling.Tiling:
+    """How a call with head dims K and V runs on the square programs (`fla_jax._tiling`); only for a
+    call that `unsupported` takes."""
+    t = _tiling.tiling(p.op, K, V, HEAD_DIMS)
+    assert not isinstance(t, str), t
+    return t
 
 
 def _in_chunk_cumsum(g, C: int, reverse: bool = False):

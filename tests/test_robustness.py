@@ -232,7 +232,8 @@ def test_layer_names_a_wrong_input_shape(layer):
 def test_explain_names_the_programs_and_the_reason():
     """`fla_jax.explain` says which backend a call runs on and why not the kernels, and the programs the
     kernels launch for it (lowered for CUDA on any machine): GDN with grouped heads at K = V = 128 takes
-    the forward from the inverse and the training step's four programs; K != V has no kernel."""
+    the forward from the inverse and the training step's four programs; K != V runs them with V in parts;
+    K above 256 has no kernel."""
     S = jax.ShapeDtypeStruct
     q, v, g = S((2, 256, 4, 128), jnp.bfloat16), S((2, 256, 8, 128), jnp.bfloat16), S((2, 256, 8), jnp.float32)
     e = fla_jax.explain(fla_jax.chunk_gated_delta_rule, q, q, v, g, g, use_qk_l2norm_in_kernel=True)
@@ -243,8 +244,12 @@ def test_explain_names_the_programs_and_the_reason():
     assert short(e.training) == ["wy_t_l2", "fused_h", "dh", "grads_l2"], e.training
     assert all(n.startswith("fla_delta_") and "_bf16_k128_v128_" in n for n in e.forward + e.training)
     wide = fla_jax.explain(fla_jax.chunk_gated_delta_rule, q, q, S((2, 256, 8, 256), jnp.bfloat16), g, g)
-    assert wide.backend == "xla" and not wide.kernels_take_it and wide.forward == wide.training == ()
-    assert "no kernel built for dtype bfloat16, K = 128, V = 256" in wide.reason and "K = 128, V = 256" in str(wide)
+    assert wide.kernels_take_it and short(wide.training) == ["wy_t", "fused_h", "dh", "grads"], wide.training
+    assert wide.tiling == "K = 128, V = 256 on the K = V = 128 programs (V in 2 parts as value heads)", wide.tiling
+    assert wide.tiling in str(wide) and all("_k128_v128_" in n for n in wide.forward + wide.training)
+    big = fla_jax.explain(fla_jax.chunk_gated_delta_rule, S((2, 256, 4, 320), jnp.bfloat16), S((2, 256, 4, 320), jnp.bfloat16), v, g, g)
+    assert big.backend == "xla" and not big.kernels_take_it and big.forward == big.training == () and big.tiling is None
+    assert "K = 320 is above the largest head dim the kernels take (256)" in big.reason and big.reason in str(big)
     asked = fla_jax.explain(fla_jax.chunk_gla, q, q, q, S((2, 256, 4, 128), jnp.float32), backend="xla")
     assert asked.backend == "xla" and asked.reason == "backend 'xla' was asked for" and asked.kernels_take_it
 

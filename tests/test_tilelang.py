@@ -3,6 +3,8 @@ its numerics on a Hopper GPU (`gpu` marker)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 import jax
@@ -762,7 +764,9 @@ def test_unsupported_calls_say_why(monkeypatch):
     p = _problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype="bfloat16")
     call = dict(K=128, V=128, varlen=False, grouped=False, l2norm=False)
     assert tilelang_backend.unsupported(p, **call) is None
-    assert "K = 96" in tilelang_backend.unsupported(p, **dict(call, K=96, V=96))
+    assert tilelang_backend.unsupported(p, **dict(call, K=96, V=96)) is None  # (padded to 128)
+    assert "K = 512" in tilelang_backend.unsupported(p, **dict(call, K=512, V=96))
+    assert "dtype float32" in tilelang_backend.unsupported(dataclasses.replace(p, dtype="float32"), **call)
     assert tilelang_backend.unsupported(p, **dict(call, varlen=True)) is None
     assert tilelang_backend.unsupported(_problem.Problem(op="gla", delta=False, chunk_size=64, dtype="bfloat16"), **call) is None
     gdn = _problem.Problem(op="gated_delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
@@ -950,6 +954,108 @@ def test_tilelang_delta_matches_fla_triton(op):
     limits = {"o": 0.006, "ht": 0.006, "dbeta": 0.02, "dg": 0.02}
     assert all(e < limits.get(n, 0.008) for n, e in errs.items()), errs
     assert op == "gated_delta_rule" or "dq" in errs, "fla ran no backward for the ungated delta rule"
+
+
+# K != V on the square programs (`fla_jax._tiling`): GDN at every pair of K in 64, 128, 256 and V in 64 ... 512
+# (grouped heads, l2 norm in the kernels, an initial state; varlen with an empty sequence at two pairs); the
+# other ops at V = 2K, V = 4K, K = 2V and a V off the head dims (padded). T not a multiple of 64.
+TILED_GPU_CASES = [
+    *(Case("gated_delta_rule", 1, 130, 1, K, V, HV=2, dtype="bfloat16", h0=True, l2norm=True, norm=0.1 if V == 512 else 1.0)
+      for K in (64, 128, 256) for V in (64, 128, 256, 512) if K != V),
+    Case("gated_delta_rule", 1, 300, 2, 128, 256, dtype="float16", cu=(0, 0, 100, 300), h0=True, l2norm=True),
+    Case("gated_delta_rule", 1, 300, 2, 256, 128, dtype="bfloat16", cu=(0, 64, 64, 300), l2norm=True),
+    Case("delta_rule", 2, 130, 2, 128, 256, dtype="bfloat16", h0=True),
+    Case("delta_rule", 1, 300, 2, 64, 256, dtype="float16", cu=(0, 0, 100, 300), l2norm=True),
+    Case("simple_gla", 2, 130, 2, 128, 256, dtype="bfloat16", h0=True),
+    Case("simple_gla", 1, 300, 2, 64, 256, dtype="bfloat16", cu=(0, 0, 100, 300), h0=True, norm=0.1),
+    Case("simple_gla", 2, 130, 2, 256, 128, dtype="float16", h0=True),
+    Case("simple_gla", 1, 130, 2, 128, 96, dtype="bfloat16", gate="g_gamma"),
+    Case("gla", 2, 130, 2, 64, 128, dtype="bfloat16", h0=True),
+    Case("gla", 1, 300, 2, 128, 512, dtype="bfloat16", cu=(0, 0, 100, 300), h0=True, norm=10.0),
+    Case("gla", 2, 130, 2, 128, 64, dtype="float16", h0=True, norm=0.1),
+    Case("gla", 1, 130, 2, 256, 192, dtype="bfloat16"),
+]
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TILED_GPU_CASES, ids=str)
+def test_tilelang_tiled_head_dims_match_float64(case, monkeypatch):
+    """K != V on the kernels against float64: outputs (under a gradient and without), the final state
+    and every gradient, NaN-poisoned outputs; limits as the square cases'."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    delta = case.op in ("delta_rule", "gated_delta_rule")
+    call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
+    assert tilelang_backend.unsupported(_problem.Problem(op=case.op, delta=delta, chunk_size=64, dtype=case.dtype), **call) is None
+    errs = errors_against_float64(case, 17)
+    print(case, {n: f"{e:.1e}" for n, e in errs.items()})
+    if delta:
+        limit = lambda n: 0.006 if n[0] in "oh" else 0.02 if n in ("dbeta", "dg") else 0.008
+    else:
+        limit = lambda n: 0.004 if n[0] in "oh" else 0.005
+    bad = {n: e for n, e in errs.items() if not e <= limit(n)}
+    assert not bad, bad
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, K, V", [("gated_delta_rule", 128, 256), ("gated_delta_rule", 256, 512), ("gla", 64, 128),
+                                      ("simple_gla", 128, 256)])
+def test_tilelang_tiled_matches_fla_triton(op, K, V):
+    """K != V against fla 0.6.0's Triton ops (torch) on the same random inputs, the forward: o and the
+    final state (fla's own backward is refused for the gated ops on Triton < 3.7.1)."""
+    torch = pytest.importorskip("torch")
+    mod = pytest.importorskip({"gated_delta_rule": "fla.ops.gated_delta_rule", "gla": "fla.ops.gla",
+                               "simple_gla": "fla.ops.simple_gla"}[op])
+    rng = np.random.default_rng(37)
+    B, T, H = 2, 1000, 4
+    x = {"q": rng.standard_normal((B, T, H, K)), "k": rng.standard_normal((B, T, H, K)), "v": rng.standard_normal((B, T, H, V))}
+    bf = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
+    logsig = lambda a: (-np.logaddexp(0, -a)).astype(np.float32)
+    extra = {"gla": lambda: [logsig(rng.standard_normal((B, T, H, K)))], "simple_gla": lambda: [logsig(rng.standard_normal((B, T, H)))],
+             "gated_delta_rule": lambda: [logsig(rng.standard_normal((B, T, H))),
+                                          (1 / (1 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32)]}[op]()
+    h0 = (0.1 * rng.standard_normal((B, H, K, V))).astype(np.float32)
+    kw = {"use_qk_l2norm_in_kernel": True} if op == "gated_delta_rule" else {}
+    o, ht = getattr(fla_jax, f"chunk_{op}")(*bf.values(), *map(jnp.asarray, extra), initial_state=jnp.asarray(h0),
+                                            output_final_state=True, backend="tilelang", **kw)
+    t = lambda a, dt=torch.bfloat16: torch.tensor(np.asarray(jnp.asarray(a, jnp.float32)), device="cuda", dtype=dt)
+    with torch.no_grad():
+        fo, fht = getattr(mod, f"chunk_{op}")(*(t(a) for a in bf.values()), *(t(a, torch.float32) for a in extra),
+                                              initial_state=t(h0, torch.float32), output_final_state=True, **kw)
+    as_np = lambda a: a.float().cpu().numpy()
+    errs = {"o": err_ratio(as_np(fo), o), "ht": err_ratio(as_np(fht), ht)}
+    print(op, K, V, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert errs["o"] < 0.006 and errs["ht"] < 0.006, errs
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("neg_eigval", [False, True])
+def test_tilelang_gdn_gate_options_match_fla_triton(neg_eigval):
+    """fla 0.6.0's `use_gate_in_kernel` (A_log, dt_bias), `use_beta_sigmoid_in_kernel` and `allow_neg_eigval`
+    against fla's Triton GDN with the same options on the same inputs: o and the final state (fla's gated
+    backward is refused on Triton < 3.7.1; the options' gradients are checked against float64 in test_ops)."""
+    torch = pytest.importorskip("torch")
+    fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule")
+    rng = np.random.default_rng(47)
+    B, T, H, HV, D = 2, 1000, 2, 4, 128
+    q, k = (jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, T, HV, D)), jnp.bfloat16)
+    g, b = rng.standard_normal((2, B, T, HV)).astype(np.float32)
+    A_log, dt_bias = np.log(rng.uniform(1, 16, HV)).astype(np.float32), rng.standard_normal(HV).astype(np.float32)
+    opts = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval,
+                use_qk_l2norm_in_kernel=True, output_final_state=True)
+    o, ht = fla_jax.chunk_gated_delta_rule(q, k, v, jnp.asarray(g), jnp.asarray(b), A_log=jnp.asarray(A_log),
+                                           dt_bias=jnp.asarray(dt_bias), backend="tilelang", **opts)
+    t = lambda a, dt=torch.bfloat16: torch.tensor(np.asarray(jnp.asarray(a, jnp.float32)), device="cuda", dtype=dt)
+    f32 = lambda a: t(a, torch.float32)
+    with torch.no_grad():
+        fo, fht = fla_gdn.chunk_gated_delta_rule(t(q), t(k), t(v), f32(g), f32(b), A_log=f32(A_log), dt_bias=f32(dt_bias), **opts)
+    as_np = lambda a: a.float().cpu().numpy()
+    errs = {"o": err_ratio(as_np(fo), o), "ht": err_ratio(as_np(fht), ht)}
+    print("gdn options", neg_eigval, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert errs["o"] < 0.006 and errs["ht"] < 0.006, errs
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])

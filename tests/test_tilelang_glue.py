@@ -10,7 +10,7 @@ import pytest
 from cases import DELTA_BWD_MODES, set_delta_bwd_mode, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
-from fla_jax import _backends, tilelang_backend, xla
+from fla_jax import _backends, _tiling, tilelang_backend, xla
 from fla_jax._problem import Problem
 from fla_jax._variants import HEAD_DIMS, VARIANTS
 
@@ -578,3 +578,67 @@ def test_scalar_gates_of_zero_decay_reach_the_kernels_finite(op, emulated):
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)} | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff if n != "g"}
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(grads)), "non-finite gradient"
     assert all(e <= 0.01 for e in errs.values()), errs
+
+
+# ----------------------------------------------------------------------------- K != V (`fla_jax._tiling`)
+
+
+@pytest.mark.parametrize("op, K, V, expected", [
+    ("simple_gla", 128, 128, (128, 1, 1)), ("gated_delta_rule", 128, 128, (128, 1, 1)),
+    ("gated_delta_rule", 128, 256, (128, 1, 2)), ("gated_delta_rule", 256, 512, (256, 1, 2)), ("delta_rule", 64, 256, (64, 1, 4)),
+    ("delta_rule", 256, 128, (256, 1, 1)), ("gated_delta_rule", 128, 64, (128, 1, 1)),  # (V padded: K is not separable)
+    ("simple_gla", 64, 128, (64, 1, 2)), ("simple_gla", 128, 512, (128, 1, 4)), ("gla", 128, 512, (128, 1, 4)),
+    ("gla", 64, 128, (128, 1, 1)), ("gla", 128, 256, (256, 1, 1)),  # (GLA at V = 2K: K padded to V)
+    ("simple_gla", 128, 64, (64, 2, 1)), ("gla", 256, 128, (128, 2, 1)), ("simple_gla", 256, 64, (64, 4, 1)),
+    ("simple_gla", 64, 96, (64, 1, 2)), ("gla", 128, 96, (128, 1, 1)), ("gated_delta_rule", 32, 64, (64, 1, 1)),
+    ("simple_gla", 96, 192, (128, 1, 2)),
+])
+def test_tiling_plans_the_head_dims(op, K, V, expected):
+    t = _tiling.tiling(op, K, V, HEAD_DIMS)
+    assert (t.D, t.k_parts, t.v_parts) == expected, t
+    assert t.k_parts * t.D >= K and t.v_parts * t.D >= V and min(t.k_parts, t.v_parts) == 1
+    assert "K = 512 is above" in _tiling.tiling(op, 512, 128, HEAD_DIMS)
+
+
+TILED_CASES = [
+    Case("simple_gla", 2, 100, 2, 64, 128, dtype="bfloat16", h0=True),  # V = 2K
+    # K = 2V (a strong constant decay's gradient is all cancellation: ~1e-5 from fp16 terms ~1e-2, on every backend)
+    Case("simple_gla", 1, 130, 1, 128, 64, dtype="float16", gate="g_gamma"),
+    Case("simple_gla", 1, 300, 2, 64, 256, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, norm=0.1),  # V = 4K
+    Case("gla", 2, 100, 2, 64, 128, dtype="bfloat16", h0=True),  # fla's GLA default, K = V / 2
+    Case("gla", 1, 130, 1, 128, 64, dtype="float16", norm=0.1, h0=True),  # K = 2V
+    Case("gla", 1, 300, 2, 64, 96, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, norm=10),  # V padded
+    Case("delta_rule", 2, 100, 2, 64, 128, dtype="bfloat16", h0=True),
+    Case("gated_delta_rule", 1, 130, 1, 64, 256, HV=2, dtype="bfloat16", norm=0.1, l2norm=True, h0=True),  # V = 4K, grouped
+    Case("gated_delta_rule", 1, 300, 2, 128, 64, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, l2norm=True),  # K = 2V
+    Case("gated_delta_rule", 2, 70, 2, 32, 64, dtype="float16", h0=True),  # K padded
+]
+
+
+@pytest.mark.parametrize("case", TILED_CASES, ids=str)
+def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
+    """K != V (and K, V off the built head dims) on the square programs: V in parts as value heads, or
+    (gated ops) K in parts whose outputs are summed, zeros padding the rest; outputs, the final state
+    and every gradient against the float64 recurrence, with every kernel output NaN-poisoned."""
+    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    delta = case.op in ("delta_rule", "gated_delta_rule")
+    p = Problem(op=case.op, delta=delta, chunk_size=64, dtype=case.dtype)
+    call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
+    assert _backends.resolve("auto", p, **call).name == "tilelang"
+    t = tilelang_backend.tiling(p, case.K, case.V)
+    assert not t.identity and t.D in HEAD_DIMS
+    diff, cot = make_inputs(case, 41)
+    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    shapes = []
+    record = lambda target, results, *a, **kw: shapes.append(target) or kernel_emulator.call(target, results, *a, **kw)
+    monkeypatch.setattr(tilelang_backend, "_call", record)
+    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
+    assert shapes and all(f"_k{t.D}_v{t.D}_" in n for n in shapes), shapes  # (the square programs ran)
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
+    errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
+    tol = (1e-2 if delta else 5e-3) if case.dtype == "bfloat16" else 3e-3
+    limit = lambda n: 2e-2 if n in ("dg", "dbeta") and delta else tol  # (fla's and the GPU suite's for the delta rules' gates)
+    assert o.shape == ref_o.shape and ht.shape == ref_ht.shape
+    assert all(e <= limit(n) for n, e in errs.items()), " ".join(f"{n} {e:.1e}" for n, e in errs.items())
+    o2, ht2 = forward_outputs(case, "tilelang")(diff)  # the forward with no gradient (other programs)
+    assert err_ratio(ref_o, o2) <= tol and err_ratio(ref_ht, ht2) <= tol
