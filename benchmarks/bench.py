@@ -3,6 +3,8 @@ jax-linear-attention's kernels, in one process, and prints a table (JSON with --
 
     python benchmarks/bench.py --ops simple_gla,gdn --shapes 4x4096x16x128 --impls fla_jax:xla,jla:mosaic_gpu,fla
 
+(`fla_jax:tilelang+options`: GDN with fla's gate options, g raw and beta as logits, A_log and dt_bias fixed.)
+
 Inputs: bf16 q/k/v, float32 gates, K = V = D, no initial state; the delta rules take
 `use_qk_l2norm_in_kernel=True` (jla's `use_qk_l2norm=True`) in every library. JAX timings: the
 median over 10 repetitions of (10 back-to-back calls, then `block_until_ready`) / 10, after
@@ -91,6 +93,22 @@ def _jax_fns(impl, op):
     """`(call(q, k, v, g, beta) -> o, names of differentiable gates)` for one JAX implementation."""
 
     lib, _, backend = impl.partition(":")
+    backend, _, options = backend.partition("+")
+    if lib == "fla_jax" and options == "options":  # GDN with fla's gate options (`g` raw, `beta` logits)
+        import fla_jax
+        import jax.numpy as jnp
+
+        if op != "gated_delta_rule":
+            raise ValueError(f"{impl}: the gate options are GDN's")
+
+        def gdn(q, k, v, g, beta):
+            HV = v.shape[2]
+            A_log, dt_bias = jnp.log(jnp.linspace(1.0, 16.0, HV)), jnp.linspace(-1.0, 1.0, HV)
+            return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend,
+                                                  use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                                  use_beta_sigmoid_in_kernel=True)[0]
+
+        return gdn
     if lib == "fla_jax":
         import fla_jax
 

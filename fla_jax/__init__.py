@@ -4,6 +4,12 @@ from fla_jax._backends import BackendStatus, BackendUnavailableError, FallbackWa
 from fla_jax._checks import check_cu_seqlens
 from fla_jax._explain import Explanation, explain
 from fla_jax.ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gla, chunk_simple_gla
+from fla_jax.recurrent import (
+    fused_recurrent_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_gla,
+    fused_recurrent_simple_gla,
+)
 
 __all__ = [
     "BackendStatus",
@@ -17,5 +23,9 @@ __all__ = [
     "chunk_gla",
     "chunk_simple_gla",
     "explain",
+    "fused_recurrent_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_gla",
+    "fused_recurrent_simple_gla",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Trains a small language model with gated-delta-rule (or GLA) layers on synthetic tokens.
+"""Trains a small language model with gated-delta-rule (or GLA) layers on synthetic tokens, then samples.
 
     python -m fla_jax.demo [--steps 300] [--layer gdn|gla] [--backend auto] ...
 
@@ -7,6 +7,8 @@ so the loss falls from log(vocab) towards the chain's entropy, which is printed 
 Training is data parallel over every local device (`jit` with the batch sharded on a mesh);
 `--heads-parallel N` also splits the attention heads over N devices (projections sharded by head,
 output projection by rows), and the linear-attention ops partition themselves along heads.
+After training it continues four prompts of different lengths (`--sample` tokens each): the prompts
+prefilled in one packed call, then token by token through the layers' caches in one jitted loop.
 """
 
 from __future__ import annotations
@@ -39,10 +41,15 @@ class Block(nnx.Module):
         self.up = nnx.Linear(d, 2 * 2 * d, use_bias=False, dtype=dtype, rngs=rngs)  # SwiGLU, hidden 2 d
         self.down = nnx.Linear(2 * d, d, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.attn(self.norm1(x))
+    def __call__(self, x, cache=None, *, cu_seqlens=None, return_cache=False):
+        """`x` -> the block's output; with a `cache` (or `return_cache`), `(output, cache)` (see the layers)."""
+        if cache is None and not return_cache:
+            x, cache = x + self.attn(self.norm1(x)), None
+        else:
+            y, cache = self.attn(self.norm1(x), cache=cache, cu_seqlens=cu_seqlens, return_cache=return_cache and cache is None)
+            x = x + y
         a, b = jnp.split(self.up(self.norm2(x)), 2, axis=-1)
-        return x + self.down(jax.nn.silu(a) * b)
+        return x + self.down(jax.nn.silu(a) * b), cache
 
 
 class LanguageModel(nnx.Module):
@@ -56,11 +63,43 @@ class LanguageModel(nnx.Module):
         self.norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(d, vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, caches=None, *, cu_seqlens=None, return_cache=False):
+        """Logits of `tokens [B, T]`; with `caches` (one a block, or `return_cache` to start them, one row a
+        sequence of `cu_seqlens`), `(logits, caches)`: generation."""
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, c = block(x, None if caches is None else caches[i], cu_seqlens=cu_seqlens, return_cache=return_cache)
+            new.append(c)
+        logits = self.head(self.norm(x))
+        return (logits, tuple(new)) if caches is not None or return_cache else logits
+
+
+def generate(model: LanguageModel, prompts: list[np.ndarray], steps: int, key):
+    """Continues each prompt by `steps` sampled tokens: the prompts (of any lengths) prefilled in one packed
+    call (`cu_seqlens`, the chunk ops), then every continuation at once, one token a step through the layers'
+    caches (the recurrent ops) in one jitted loop. `(tokens [len(prompts), steps], seconds of the loop)`,
+    the loop timed on its second run (the first compiles it)."""
+    lens = [len(p) for p in prompts]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    packed = jnp.asarray(np.concatenate(prompts))[None]
+    logits, caches = nnx.jit(lambda m, t, cu: m(t, cu_seqlens=cu, return_cache=True))(model, packed, cu)
+    last = logits[0, cu[1:] - 1].astype(jnp.float32)  # each prompt's next-token logits
+
+    @nnx.jit(static_argnames="steps")
+    def decode(model, caches, logits, key, steps):
+        def step(carry, k):
+            caches, logits = carry
+            tok = jax.random.categorical(k, logits)
+            logits, caches = model(tok[:, None], caches)
+            return (caches, logits[:, 0].astype(jnp.float32)), tok
+        _, toks = jax.lax.scan(step, (caches, logits), jax.random.split(key, steps))
+        return toks.T
+
+    jax.block_until_ready(decode(model, caches, last, key, steps=steps))
+    t0 = time.perf_counter()
+    toks = jax.block_until_ready(decode(model, caches, last, key, steps=steps))
+    return np.asarray(toks), time.perf_counter() - t0
 
 
 def param_sharding(mesh, path) -> NamedSharding:
@@ -152,6 +191,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
     ap.add_argument("--log-every", type=_at_least(1), default=25, help="steps between log lines")
     ap.add_argument("--seed", type=int, default=0, help="seed of the data and the parameters")
+    ap.add_argument("--sample", type=_at_least(0), default=64, help="tokens to generate after training for each of 4 prompts (0: none)")
     ap.add_argument("--out", default="fla_jax_demo", help="folder for the loss curve (loss.png) and the summary line (summary.txt)")
     return ap.parse_args(argv)
 
@@ -164,6 +204,7 @@ class Setup(NamedTuple):
     make_batch: Callable  # key -> tokens, sharded over the data axis
     floor: float  # the chain's entropy rate: the lowest loss reachable
     backend: str  # the backend the ops resolve to
+    logP: jax.Array  # the chain's log transition matrix [vocab, vocab]
 
 
 def setup(args: argparse.Namespace) -> Setup:
@@ -228,12 +269,12 @@ def setup(args: argparse.Namespace) -> Setup:
         return loss
 
     make_batch = jax.jit(lambda key: sample(key, logP, args.batch, args.seq_len + 1), out_shardings=data_sharding)
-    return Setup(mesh, model, optimizer, train_step, make_batch, floor, backend)
+    return Setup(mesh, model, optimizer, train_step, make_batch, floor, backend, logP)
 
 
 def main(argv=None):
     args = parse(argv)
-    mesh, model, optimizer, train_step, make_batch, floor, backend = setup(args)
+    mesh, model, optimizer, train_step, make_batch, floor, backend, logP = setup(args)
     devices = mesh.devices.size
     key = jax.random.key(args.seed + 1)
     tokens_per_step = args.batch * args.seq_len
@@ -260,10 +301,25 @@ def main(argv=None):
     speed = _speed(step_times, tokens_per_step, devices) if step_times else "one step: no speed measured"
     if step_times:
         print(f"training steps: {speed}")
+    generated = ""
+    if args.sample > 0:  # continuations of prompts drawn from the chain, of different lengths
+        key, k0, k1 = jax.random.split(key, 3)
+        chain = np.asarray(sample(k0, logP, 4, args.seq_len))
+        prompts = [chain[i, : max(1, args.seq_len * (i + 1) // 4)] for i in range(4)]
+        toks, secs = generate(model, prompts, args.sample, k1)
+        allowed = np.asarray(logP) > -60  # the chain's transitions (each token has 4 successors; log(1e-30) elsewhere)
+        prev = np.concatenate([[p[-1] for p in prompts], toks[:, :-1].T.ravel()]).reshape(-1, 4)
+        legal = float(np.mean(allowed[prev.T.ravel(), toks.ravel()]))
+        for p, t in zip(prompts, toks):
+            print(f"  prompt [{len(p):3d} tokens] ...{' '.join(map(str, p[-6:]))} | {' '.join(map(str, t[:16]))}{' ...' if len(t) > 16 else ''}")
+        generated = (f"generation: {len(prompts)} x {args.sample} tokens in {secs * 1e3:.1f} ms ({len(prompts) * args.sample / secs:,.0f} "
+                     f"tokens/s, one jitted loop), {legal:.0%} of the sampled transitions are the chain's")
+        print(generated)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = (f"fla_jax demo: {args.layers} x {args.layer}, backend {backend}, {args.steps} steps of {tokens_per_step} tokens "
-               f"on {devices} device(s): loss {first_loss:.3f} -> {loss:.3f} (floor {floor:.2f}), {speed}")
+               f"on {devices} device(s): loss {first_loss:.3f} -> {loss:.3f} (floor {floor:.2f}), {speed}"
+               + (f"; {generated}" if generated else ""))
     (out / "summary.txt").write_text(summary + "\n")
     write_loss_png(out / "loss.png", losses, floor)
     print(f"wrote {out / 'loss.png'} and {out / 'summary.txt'}")

@@ -204,6 +204,12 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Array | None = None,
     backend: str = "auto",
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> tuple[Array, Array | None]:
     """Gated delta rule (GDN): `S = exp(g_t) S`, then the delta-rule update.
 
@@ -217,6 +223,14 @@ def chunk_gated_delta_rule(
       initial_state: `[N, HV, K, V]`.
       use_qk_l2norm_in_kernel, scale, output_final_state, cu_seqlens, backend: as in
         `chunk_delta_rule`.
+      use_gate_in_kernel: fla's option: `g` is the raw gate input and the op takes
+        `g = -exp(A_log) * softplus(g + dt_bias)` (in float32), differentiable in all three.
+      A_log: `[HV]`, required with `use_gate_in_kernel`; dt_bias: `[HV]` or None.
+      use_beta_sigmoid_in_kernel: `beta` holds logits and the op takes `sigmoid(beta)`.
+      allow_neg_eigval: with `use_beta_sigmoid_in_kernel`, `2 sigmoid(beta)` (in [0, 2)) instead.
+
+    These options are elementwise maps of g and beta that XLA fuses into the op's own pass over them
+    (the tilelang backend's gate sums, the xla backend's chunking); no kernel or pass of their own.
 
     Returns:
       `o [B, T, HV, V]` in q's dtype, and the final state `[N, HV, K, V]` (or None).
@@ -225,8 +239,31 @@ def chunk_gated_delta_rule(
     B, T, HV = v.shape[:3]
     g = _checks.gate("g", g, (B, T, HV), "[B, T, HV]")
     beta = _checks.gate("beta", beta, (B, T, HV), "[B, T, HV]")
+    g, beta = _gdn_gates(g, beta, HV, _checks.flag("use_gate_in_kernel", use_gate_in_kernel), A_log, dt_bias,
+                         _checks.flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                         _checks.flag("allow_neg_eigval", allow_neg_eigval))
     return _run(
         "gated_delta_rule", q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=64, backend=backend,
         l2norm=use_qk_l2norm_in_kernel,
     )
+
+
+def _gdn_gates(g, beta, HV: int, gate_in_kernel: bool, A_log, dt_bias, beta_sigmoid: bool, neg_eigval: bool):
+    """fla 0.6.0's GDN gate options (`chunk_gated_delta_rule`): g and beta as the recurrence takes them."""
+    if neg_eigval and not beta_sigmoid:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True` (as in fla)")
+    if not gate_in_kernel and (A_log is not None or dt_bias is not None):
+        raise ValueError("`A_log` and `dt_bias` are read only with `use_gate_in_kernel=True`; pass g in log space, or set it")
+    if gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`A_log` ([HV]) is required with `use_gate_in_kernel=True`")
+        dt = jnp.promote_types(g.dtype, jnp.float32)  # (float32, or float64 for float64 input)
+        A_log = _checks.gate("A_log", A_log, (HV,), "[HV]").astype(dt)
+        x = g.astype(dt)
+        if dt_bias is not None:
+            x = x + _checks.gate("dt_bias", dt_bias, (HV,), "[HV]").astype(dt)
+        g = -jnp.exp(A_log) * jax.nn.softplus(x)
+    if beta_sigmoid:
+        beta = jax.nn.sigmoid(beta.astype(jnp.promote_types(beta.dtype, jnp.float32))) * (2.0 if neg_eigval else 1.0)
+    return g, beta

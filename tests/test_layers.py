@@ -18,6 +18,36 @@ LAYERS = {
 }
 
 
+def test_fla_default_head_dims_run_on_the_kernels():
+    """fla's default configurations, GDN's head_dim 256 with expand_v 2 and GLA's expand_k 0.5, make K != V
+    calls that the kernels take (lowered for CUDA on any machine: `fla_jax.explain` of the layer's op call),
+    and a bad expand is refused by name."""
+    import fla_jax
+
+    calls = []
+    real = {n: getattr(fla_jax.layers, n) for n in ("chunk_gated_delta_rule", "chunk_gla")}
+    for name, fn in real.items():
+        def spy(*a, _fn=fn, **kw):
+            calls.append((_fn, a, kw))
+            return _fn(*a, **kw)
+        setattr(fla_jax.layers, name, spy)
+    try:
+        x = jnp.zeros((1, 64, 512), jnp.bfloat16)
+        GatedDeltaNet(512, 2, 256, expand_v=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))(x)
+        GatedLinearAttention(512, 2, 256, expand_k=0.5, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))(x)
+    finally:
+        for name, fn in real.items():
+            setattr(fla_jax.layers, name, fn)
+    (gdn, ga, gkw), (gla, la, lkw) = calls
+    assert ga[0].shape[-1] == 256 and ga[2].shape[-1] == 512 and la[0].shape[-1] == 128 and la[2].shape[-1] == 256
+    for fn, a, kw in calls:
+        e = fla_jax.explain(fn, *a, **kw)
+        assert e.kernels_take_it and e.training, e
+    assert "V in 2 parts" in fla_jax.explain(gdn, *ga, **gkw).tiling
+    with pytest.raises(ValueError, match="`expand_k` times head_dim"):
+        GatedLinearAttention(32, 2, 16, expand_k=0.3, rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_layer_varlen_equals_separate_sequences(name):
     """Packed sequences with cu_seqlens give what each sequence gives alone (conv and state reset)."""
@@ -73,7 +103,7 @@ def test_layer_bfloat16_activations_track_float32(name):
 
 @pytest.mark.parametrize("layer, dtype", [("gdn", "auto"), ("gla", "auto"), ("gdn", "bfloat16")])
 def test_demo_loss_falls(layer, dtype):
-    first, last = demo.main(["--steps", "60", "--layer", layer, "--dtype", dtype, "--log-every", "30"])
+    first, last = demo.main(["--steps", "60", "--layer", layer, "--dtype", dtype, "--log-every", "30", "--sample", "0"])
     assert np.isfinite(last) and last < first - 1.0
 
 
@@ -89,7 +119,7 @@ def test_demo_compiles_its_step_once(caplog):
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 def test_demo_heads_parallel_matches_data_parallel():
     """Splitting heads over 2 devices (4 x 2 mesh) trains the same model as pure data parallelism."""
-    common = ["--steps", "6", "--log-every", "3", "--batch", "8"]
+    common = ["--steps", "6", "--log-every", "3", "--batch", "8", "--sample", "0"]
     first_dp, last_dp = demo.main(common)
     first_tp, last_tp = demo.main(common + ["--heads-parallel", "2"])
     assert abs(first_dp - first_tp) < 1e-4 and abs(last_dp - last_tp) < 1e-3
@@ -125,3 +155,70 @@ def test_demo_step_gathers_nothing(heads_parallel):
     hlo = s.train_step.lower(s.model, s.optimizer, s.make_batch(jax.random.key(0))).compile().as_text()
     found = re.findall(rf" ({COLLECTIVES})(?:-start)?\(", hlo)
     assert found and set(found) == {"all-reduce"}, sorted(found)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_cache_prefill_then_steps_equals_the_whole_sequence(name):
+    """Generation: packed prompts of different lengths prefilled by the chunk op (`return_cache=True` with
+    cu_seqlens: one cache row per prompt), then token steps for all rows at once in one jitted loop, give each
+    row what the layer gives on its prompt and continuation in one call (outputs and the final state)."""
+    from fla_jax.layers import Cache
+
+    layer = LAYERS[name]()
+    lens, steps = [5, 70, 1], 6
+    rng = jax.random.key(3)
+    prompts = jax.random.normal(rng, (1, sum(lens), 32), jnp.float32)
+    more = jax.random.normal(jax.random.key(4), (len(lens), steps, 32), jnp.float32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    y_pre, cache = layer(prompts, cu_seqlens=cu, return_cache=True)
+    assert isinstance(cache, Cache) and cache.state.shape[0] == len(lens)
+    traces = []
+
+    @nnx.jit
+    def decode(layer, cache, xs):
+        def body(cache, x):
+            traces.append(1)
+            y, cache = layer(x[:, None], cache=cache)
+            return cache, y[:, 0]
+        cache, ys = jax.lax.scan(body, cache, jnp.moveaxis(xs, 1, 0))
+        return jnp.moveaxis(ys, 0, 1), cache
+
+    ys, cache = decode(layer, cache, more)
+    assert len(traces) == 1
+    start = 0
+    for n, L in enumerate(lens):
+        whole = jnp.concatenate([prompts[:, start : start + L], more[n : n + 1]], axis=1)
+        y, ht = layer(whole, output_final_state=True)
+        assert err_ratio(y[:, :L], y_pre[:, start : start + L]) < 1e-5
+        assert err_ratio(y[0, L:], ys[n]) < 1e-5, n
+        assert err_ratio(ht[0], cache.state[n]) < 1e-5
+        start += L
+    # a dense prefill (equal-length rows) continues the same way, from an empty cache too
+    x = jax.random.normal(jax.random.key(5), (2, 9, 32), jnp.float32)
+    y_all = layer(x)
+    y1, c = layer(x[:, :4], cache=layer.init_cache(2))
+    y2, c = layer(x[:, 4:5], cache=c)
+    y3, c = layer(x[:, 5:], cache=c)
+    assert err_ratio(y_all, jnp.concatenate([y1, y2, y3], 1)) < 1e-5
+    with pytest.raises(ValueError, match="a `cache` continues dense rows"):
+        layer(x, cache=c, cu_seqlens=jnp.asarray([0, 9], jnp.int32))
+    with pytest.raises(TypeError, match="`cache` must be a fla_jax.layers.Cache"):
+        layer(x, cache=(1, 2))
+
+
+@pytest.mark.parametrize("layer", ["gdn", "gla"])
+def test_demo_generation_equals_sampling_from_the_whole_sequence(layer):
+    """The demo's generation (packed prefill, then cached token steps in one jitted loop) draws the tokens that
+    sampling with the same keys from the model run over each whole prefix draws, for prompts of different lengths."""
+    model = demo.LanguageModel(64, 32, 2, layer, 2, 16, "auto", rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 64, n) for n in (3, 70, 1)]
+    key = jax.random.key(7)
+    toks, _ = demo.generate(model, prompts, 5, key)
+    seqs = [list(p) for p in prompts]
+    for i, k in enumerate(jax.random.split(key, 5)):
+        logits = jnp.stack([model(jnp.asarray(s_)[None])[0, -1] for s_ in seqs]).astype(jnp.float32)
+        tok = np.asarray(jax.random.categorical(k, logits))
+        assert (tok == toks[:, i]).all(), (i, tok, toks[:, i])
+        for s_, t in zip(seqs, tok):
+            s_.append(int(t))

@@ -60,3 +60,63 @@ def test_matches_float64_recurrence(case, backend):
         errors["d" + name] = (err_ratio(ref_g[name], grads[name]), tol * _tol_factor(case, "d" + name))
     bad = {n: f"{e:.2e} > {t:.0e}" for n, (e, t) in errors.items() if not e <= t}
     assert not bad, f"seed {seed}: {bad}"
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+@pytest.mark.parametrize("neg_eigval", [False, True])
+def test_gdn_gate_options_match_float64(backend, neg_eigval):
+    """fla 0.6.0's GDN options: `use_gate_in_kernel` (g = -exp(A_log) softplus(g + dt_bias)) and
+    `use_beta_sigmoid_in_kernel` (beta = sigmoid(b), or 2 sigmoid(b) with `allow_neg_eigval`), against the
+    float64 recurrence fed the gates formed in float64: o, the final state and the gradients of the raw
+    gate, A_log, dt_bias and the beta logits."""
+    import jax
+    import jax.numpy as jnp
+
+    from fla_jax import chunk_gated_delta_rule
+    from ref64 import naive
+
+    rng = np.random.default_rng(SEED % 1000 + 7)
+    B, T, H, HV, K, V = 2, 100, 1, 2, 32, 16
+    q, k = rng.standard_normal((2, B, T, H, K))
+    v, do = rng.standard_normal((2, B, T, HV, V))
+    raw = {"g": rng.standard_normal((B, T, HV)), "b": 2 * rng.standard_normal((B, T, HV)),
+           "A_log": np.log(rng.uniform(1, 16, HV)), "dt_bias": rng.standard_normal(HV)}
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+    def ours(p):
+        o, ht = chunk_gated_delta_rule(f32(q), f32(k), f32(v), p["g"], p["b"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                       use_gate_in_kernel=True, A_log=p["A_log"], dt_bias=p["dt_bias"],
+                                       use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval, backend=backend)
+        return jnp.sum(o * f32(do)) + jnp.sum(ht), (o, ht)
+
+    def ref(p):
+        g = -jnp.exp(p["A_log"]) * jax.nn.softplus(p["g"] + p["dt_bias"])
+        beta = jax.nn.sigmoid(p["b"]) * (2.0 if neg_eigval else 1.0)
+        o, ht = naive("gated_delta_rule", q, k, v, g, beta, l2norm=True)
+        return jnp.sum(o * do) + jnp.sum(ht), (o, ht)
+
+    grads, (o, ht) = jax.jit(jax.grad(ours, has_aux=True))({n: f32(x) for n, x in raw.items()})
+    ref_g, (ref_o, ref_ht) = jax.grad(ref, has_aux=True)({n: jnp.asarray(x, jnp.float64) for n, x in raw.items()})  # (x64: conftest)
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)} | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in raw}
+    # (dA_log, ddt_bias [HV]: sums over B T of per-step terms that largely cancel, like dg_gamma: seen up to 1.4e-3;
+    # dg: the per-step gradient through softplus, seen up to 7e-5)
+    limit = {"dA_log": 5e-3, "ddt_bias": 5e-3, "dg": 5e-4}
+    assert all(e < limit.get(n, 1e-4) for n, e in errs.items()), " ".join(f"{n} {e:.1e}" for n, e in errs.items())
+
+
+def test_gdn_gate_options_are_checked():
+    import jax.numpy as jnp
+
+    from fla_jax import chunk_gated_delta_rule
+
+    x, g = jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2))
+    with pytest.raises(ValueError, match="`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`"):
+        chunk_gated_delta_rule(x, x, x, g, g, allow_neg_eigval=True)
+    with pytest.raises(ValueError, match=r"`A_log` \(\[HV\]\) is required"):
+        chunk_gated_delta_rule(x, x, x, g, g, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="`A_log` and `dt_bias` are read only with `use_gate_in_kernel=True`"):
+        chunk_gated_delta_rule(x, x, x, g, g, A_log=jnp.zeros(2))
+    with pytest.raises(ValueError, match=r"`dt_bias` must have shape \[HV\]"):
+        chunk_gated_delta_rule(x, x, x, g, g, use_gate_in_kernel=True, A_log=jnp.zeros(2), dt_bias=jnp.zeros(3))
+    with pytest.raises(TypeError, match="`use_gate_in_kernel` must be a bool"):
+        chunk_gated_delta_rule(x, x, x, g, g, use_gate_in_kernel="yes", A_log=jnp.zeros(2))

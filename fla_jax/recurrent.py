@@ -1,0 +1,191 @@
+"""The recurrent (token by token) ops, with the meaning and signatures of fla 0.6.0's `fused_recurrent_*`:
+what generation runs (a decode step is T = 1), and what short inputs take.
+
+Per head, with state S in R^{K x V} (initially `initial_state`, else zeros), at each step t:
+decay `S = Diag(exp(gk_t)) S Diag(exp(gv_t))` (a scalar `g_t` decays all of S), then for the delta rules
+`S = S + k_t (beta_t (v_t - S^T k_t))^T`, else `S = S + k_t v_t^T`, and `o_t = scale * S^T q_t`. The chunk
+ops compute the same outputs; these take the tokens one by one in float32 (a `lax.scan`, checkpointed every
+64 steps so that a gradient keeps one state per 64 tokens), and T = 1 as one step with no loop: it reads and
+writes each state once. `reverse` (simple GLA, GLA) walks the tokens from the last.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fla_jax import _checks, _layout, ops
+from fla_jax._problem import l2_normalise
+
+Array = jax.Array
+_BLOCK = 64
+_HI = lax.Precision.HIGHEST
+
+
+def _step(delta: bool, S, q, k, v, gk, gv, beta):
+    """One token for every row and head: `S [B, H, K, V]`, q, k `[B, H, K]`, v `[B, H, V]`, gk None,
+    `[B, H]` or `[B, H, K]`, gv None or `[B, H, V]`, beta None or `[B, H]`; `(S, o [B, H, V])`."""
+    if gk is not None:
+        S = S * jnp.exp(gk)[..., None] if gk.ndim == 3 else S * jnp.exp(gk)[..., None, None]
+    if gv is not None:
+        S = S * jnp.exp(gv)[..., None, :]
+    if delta:
+        v = beta[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", S, k, precision=_HI))
+    S = S + k[..., :, None] * v[..., None, :]
+    return S, jnp.einsum("bhkv,bhk->bhv", S, q, precision=_HI)
+
+
+def _scan(delta: bool, reverse: bool, h0, xs, seq=None):
+    """The recurrence over `xs` (q, k, v, gk, gv, beta, each `[B, T, ...]` or None) from `h0 [B, H, K, V]`:
+    `(o [B, T, H, V], S after the last step)`. With `seq` (`[T]` sequence of each token of one packed row,
+    `h0` then `[N, H, K, V]`): the state restarts from `h0[seq]` at each sequence's first step (in the
+    direction walked) and the final states `[N, H, K, V]` are each sequence's last (h0's for an empty one)."""
+    T = xs[0].shape[1]
+    if T == 1 and seq is None:  # a decode step: no loop
+        S, o = _step(delta, h0, *(None if x is None else x[:, 0] for x in xs))
+        return o[:, None], S
+    if seq is None:
+        starts = ends = None
+        carry0 = (h0, None)
+    else:
+        change = seq[1:] != seq[:-1]
+        first = jnp.concatenate([jnp.ones((1,), bool), change])
+        last = jnp.concatenate([change, jnp.ones((1,), bool)])
+        starts, ends = (last, first) if reverse else (first, last)
+        carry0 = (jnp.zeros_like(h0[:1]), h0)
+
+    def token(carry, x):
+        S, ht = carry
+        x, flags = x
+        if flags is not None:
+            start, end, n = flags
+            S = jnp.where(start, h0[n][None], S)
+        S, o = _step(delta, S, *x)
+        if flags is not None:
+            ht = ht.at[n].set(jnp.where(end, S[0], ht[n]))
+        return (S, ht), o
+
+    steps = tuple(None if x is None else jnp.moveaxis(x, 1, 0) for x in xs)
+    flags = None if seq is None else (starts, ends, seq)
+    pad = -T % _BLOCK if T > _BLOCK else 0
+    if pad:  # whole blocks: padding steps (zeros everywhere, no sequence flags) change no state
+        at = (lambda x: [(pad, 0)] + [(0, 0)] * (x.ndim - 1)) if reverse else (lambda x: [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        steps = tuple(None if x is None else jnp.pad(x, at(x)) for x in steps)
+        if flags is not None:
+            flags = tuple(jnp.pad(f, at(f)) for f in flags)
+    if T > _BLOCK:  # blocks of 64 steps, each checkpointed: a gradient keeps one state per block
+        blocks = lambda x: None if x is None else x.reshape(-1, _BLOCK, *x.shape[1:])
+        steps, flags = jax.tree.map(blocks, (steps, flags))
+        body = jax.checkpoint(lambda c, x: lax.scan(token, c, x, reverse=reverse))
+        (S, ht), o = lax.scan(body, carry0, (steps, flags), reverse=reverse)
+        o = o.reshape(-1, *o.shape[2:])
+        o = o[pad:] if reverse else o[: o.shape[0] - pad]
+    else:
+        (S, ht), o = lax.scan(token, carry0, (steps, flags), reverse=reverse)
+    return jnp.moveaxis(o, 0, 1), (S if seq is None else ht)
+
+
+def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_state, cu_seqlens, reverse=False, l2norm=False):
+    """Checks what is common and runs `_scan` in float32 (float64 for float64 inputs)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    scale = _checks.scale(scale, K)
+    cu, cu_valid = _checks.cu_seqlens(cu_seqlens, B, T)
+    N = B if cu is None else cu.shape[0] - 1
+    h0 = _checks.initial_state(initial_state, N, HV, K, V, "[N, HV, K, V]" + (" (N = number of sequences)" if cu is not None else " (N = B)"))
+    output_final_state = _checks.flag("output_final_state", output_final_state)
+    reverse = _checks.flag("reverse", reverse)
+    cdt = jnp.promote_types(q.dtype, jnp.float32)
+    f = lambda x: None if x is None else x.astype(cdt)
+    q, k = f(q), f(k)
+    if l2norm:
+        q, k = l2_normalise(q), l2_normalise(k)
+    q = q * jnp.asarray(scale, cdt)
+    if HV != H:
+        q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
+    h0 = jnp.zeros((N, HV, K, V), cdt) if h0 is None else h0.astype(cdt)
+    seq = None if cu is None else _layout.token_sequences(cu, T)
+    o, ht = _scan(delta, reverse, h0, (q, k, f(v), f(gk), f(gv), f(beta)), seq)
+    o, ht = o.astype(v.dtype), ht.astype(jnp.float32)
+    if cu_valid is not None:  # an invalid traced table: every output NaN, as the chunk ops
+        o, ht = (jnp.where(cu_valid, x, jnp.asarray(jnp.nan, x.dtype)) for x in (o, ht))
+    return o, (ht if output_final_state else None)
+
+
+def fused_recurrent_simple_gla(
+    q: Array, k: Array, v: Array, g: Array | None = None, g_gamma: Array | None = None, scale: float | None = None,
+    initial_state: Array | None = None, output_final_state: bool = False, reverse: bool = False, cu_seqlens: Array | None = None,
+) -> tuple[Array, Array | None]:
+    """Simple GLA token by token (fla's `fused_recurrent_simple_gla`); arguments as `chunk_simple_gla`'s, and
+    `reverse`: walk the tokens from the last (the state then flows backwards in time)."""
+    q, k, v = _checks.qkv(q, k, v, grouped=False)
+    B, T, H, _ = q.shape
+    if g is not None and g_gamma is not None:
+        raise ValueError("pass at most one of `g` ([B, T, H]) and `g_gamma` ([H]), got both")
+    if g is not None:
+        g = _checks.gate("g", g, (B, T, H), "[B, T, H]")
+    elif g_gamma is not None:
+        g = jnp.broadcast_to(_checks.gate("g_gamma", g_gamma, (H,), "[H]"), (B, T, H))
+    return _run(False, q, k, v, g, None, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, reverse=reverse)
+
+
+def fused_recurrent_gla(
+    q: Array, k: Array, v: Array, gk: Array | None = None, gv: Array | None = None, scale: float | None = None,
+    initial_state: Array | None = None, output_final_state: bool = False, reverse: bool = False, cu_seqlens: Array | None = None,
+) -> tuple[Array, Array | None]:
+    """GLA token by token (fla's `fused_recurrent_gla`): `gk [B, T, H, K]` decays the state's rows (the key
+    channels, `chunk_gla`'s g), `gv [B, T, H, V]` its columns; either may be None. Other arguments as
+    `fused_recurrent_simple_gla`'s."""
+    q, k, v = _checks.qkv(q, k, v, grouped=False)
+    gk = None if gk is None else _checks.gate("gk", gk, q.shape, "[B, T, H, K]")
+    gv = None if gv is None else _checks.gate("gv", gv, v.shape, "[B, T, H, V]")
+    return _run(False, q, k, v, gk, gv, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, reverse=reverse)
+
+
+def fused_recurrent_delta_rule(
+    q: Array, k: Array, v: Array, beta: Array | None = None, scale: float | None = None, initial_state: Array | None = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Array | None = None,
+) -> tuple[Array, Array | None]:
+    """The delta rule token by token (fla's `fused_recurrent_delta_rule`); beta None means ones, as in fla.
+    Other arguments as `chunk_delta_rule`'s."""
+    q, k, v = _checks.qkv(q, k, v, grouped=False)
+    B, T, H, _ = q.shape
+    beta = jnp.ones((B, T, H), jnp.float32) if beta is None else _checks.gate("beta", beta, (B, T, H), "[B, T, H]")
+    return _run(True, q, k, v, None, None, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel))
+
+
+def fused_recurrent_gated_delta_rule(
+    q: Array, k: Array, v: Array, g: Array | None = None, gk: Array | None = None, gv: Array | None = None,
+    beta: Array | None = None, scale: float | None = None, initial_state: Array | None = None, output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log: Array | None = None,
+    dt_bias: Array | None = None, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+    cu_seqlens: Array | None = None,
+) -> tuple[Array, Array | None]:
+    """GDN token by token (fla's `fused_recurrent_gated_delta_rule`): a scalar decay `g [B, T, HV]` and/or
+    per key channel `gk [B, T, HV, K]` and per value channel `gv [B, T, HV, V]`; beta None means ones; the
+    gate options (`use_gate_in_kernel` with `A_log`, `dt_bias`, on g; `use_beta_sigmoid_in_kernel`,
+    `allow_neg_eigval`) and grouped value heads as `chunk_gated_delta_rule`'s."""
+    q, k, v = _checks.qkv(q, k, v, grouped=True)
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    beta_sigmoid = _checks.flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
+    gate_in_kernel = _checks.flag("use_gate_in_kernel", use_gate_in_kernel)
+    if gate_in_kernel and g is None:
+        raise ValueError("`use_gate_in_kernel=True` takes the raw gate as `g` ([B, T, HV]), got none")
+    g = None if g is None else _checks.gate("g", g, (B, T, HV), "[B, T, HV]")
+    if beta is None:
+        if beta_sigmoid:
+            raise ValueError("`use_beta_sigmoid_in_kernel=True` takes beta's logits as `beta`, got none")
+        beta = jnp.ones((B, T, HV), jnp.float32)
+    beta = _checks.gate("beta", beta, (B, T, HV), "[B, T, HV]")
+    g, beta = ops._gdn_gates(g, beta, HV, gate_in_kernel, A_log, dt_bias, beta_sigmoid, _checks.flag("allow_neg_eigval", allow_neg_eigval))
+    gk = None if gk is None else _checks.gate("gk", gk, (B, T, HV, K), "[B, T, HV, K]")
+    gv = None if gv is None else _checks.gate("gv", gv, (B, T, HV, V), "[B, T, HV, V]")
+    if g is not None:  # (one decay of the rows: the scalar's and the per-channel one's together)
+        gk = g if gk is None else gk + g[..., None]
+    return _run(True, q, k, v, gk, gv, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel))

@@ -1,0 +1,171 @@
+"""The recurrent ops (`fla_jax.fused_recurrent_*`, fla 0.6.0's meaning): against the chunk ops and the float64
+recurrence, token-by-token decoding against one call over the sequence, and their own options."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fla_jax
+from cases import OPS, Case, make_inputs, static_kwargs
+from check import err_ratio, reference_grads
+
+RECURRENT = {
+    "simple_gla": fla_jax.fused_recurrent_simple_gla,
+    "gla": fla_jax.fused_recurrent_gla,
+    "delta_rule": fla_jax.fused_recurrent_delta_rule,
+    "gated_delta_rule": fla_jax.fused_recurrent_gated_delta_rule,
+}
+
+
+def _kwargs(case, diff):
+    """The recurrent op's arguments for `make_inputs`' arrays (GLA's gate is `gk` there)."""
+    d = dict(diff)
+    if case.op == "gla":
+        d["gk"] = d.pop("g")
+    kw = {n: x for n, x in static_kwargs(case).items() if n != "chunk_size"}
+    return d | kw
+
+
+CASES = [
+    Case("simple_gla", 2, 1, 2, 16, 8, h0=True),  # a decode step
+    Case("simple_gla", 2, 150, 2, 16, 8, h0=True, norm=0.1),  # past one block of 64 steps
+    Case("simple_gla", 1, 40, 2, 8, 8, gate="g_gamma", cu=(0, 0, 13, 14, 40), h0=True),
+    Case("gla", 2, 1, 2, 16, 8, h0=True),
+    Case("gla", 1, 130, 2, 16, 8, dtype="bfloat16", norm=10),
+    Case("delta_rule", 2, 1, 2, 16, 8, h0=True, l2norm=True),
+    Case("delta_rule", 1, 70, 1, 16, 8, cu=(0, 5, 5, 70), h0=True),
+    Case("gated_delta_rule", 2, 1, 1, 16, 8, HV=2, h0=True, l2norm=True),
+    Case("gated_delta_rule", 2, 100, 1, 16, 32, HV=2, dtype="bfloat16", l2norm=True, norm=0.1),
+    Case("gated_delta_rule", 1, 90, 2, 8, 8, cu=(0, 30, 31, 90), h0=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_recurrent_matches_float64(case):
+    """o, the final state and every gradient against the float64 recurrence (the chunk ops' reference)."""
+    diff, cot = make_inputs(case, 5)
+    ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    op = RECURRENT[case.op]
+
+    def loss(d):
+        o, ht = op(**_kwargs(case, d))
+        return jnp.sum(o.astype(jnp.float32) * cot["do"]) + jnp.sum(ht * cot["dht"]), (o, ht)
+
+    grads, (o, ht) = jax.jit(jax.grad(loss, has_aux=True))(diff)
+    tol = {"float32": 1e-5, "bfloat16": 5e-3}[case.dtype]
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)} | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff}
+    assert o.dtype == diff["q"].dtype and ht.dtype == jnp.float32
+    assert all(e <= tol * (5 if n == "dg_gamma" else 1) for n, e in errs.items()), errs
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_decoding_step_by_step_equals_the_chunk_op(op):
+    """A jitted decode loop (one token a step, the state carried; it compiles once) gives the outputs and the
+    final state of the chunk op over the whole sequence after a prefill by the chunk op."""
+    case = Case(op, 2, 100, 1, 16, 16, HV=2 if op == "gated_delta_rule" else None, h0=True, l2norm=op.endswith("delta_rule"))
+    diff, _ = make_inputs(case, 9)
+    full_o, full_ht = OPS[op](**diff, **static_kwargs(case), backend="xla")
+    P = 37  # prefill
+    token = lambda x, t: jax.lax.dynamic_slice_in_dim(x, t, 1, axis=1)
+    seqs = {n: x for n, x in diff.items() if n != "initial_state" and x.ndim >= 3}
+    pre_o, state = OPS[op](**{n: x[:, :P] for n, x in seqs.items()}, initial_state=diff["initial_state"], **static_kwargs(case),
+                           backend="xla")
+    traces = []
+
+    @jax.jit
+    def decode(state):
+        def body(state, t):
+            traces.append(t)
+            kw = _kwargs(case, {n: token(x, t) for n, x in seqs.items()} | {"initial_state": state})
+            o, state = RECURRENT[op](**kw)
+            return state, o[:, 0]
+        state, o = jax.lax.scan(body, state, jnp.arange(P, case.T))
+        return jnp.moveaxis(o, 0, 1), state
+
+    o, ht = decode(state)
+    assert len(traces) == 1  # (one trace of the step)
+    assert err_ratio(full_o[:, :P], pre_o) < 1e-6
+    assert err_ratio(full_o[:, P:], o) < 1e-5 and err_ratio(full_ht, ht) < 1e-5
+
+
+def test_reverse_walks_the_tokens_from_the_last():
+    """`reverse=True` equals the forward op on the time-reversed inputs, its output reversed back (simple GLA
+    and GLA, dense and packed)."""
+    rng = np.random.default_rng(3)
+    B, T, H, K, V = 1, 90, 2, 8, 4
+    q, k = (jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0, 0.5, (B, T, H)), jnp.float32)
+    gk = jnp.asarray(-rng.uniform(0, 0.5, (B, T, H, K)), jnp.float32)
+    flip = lambda x: jnp.flip(x, 1)
+    for op, gate in ((fla_jax.fused_recurrent_simple_gla, {"g": g}), (fla_jax.fused_recurrent_gla, {"gk": gk})):
+        o, ht = op(q, k, v, **gate, reverse=True, output_final_state=True)
+        o2, ht2 = op(flip(q), flip(k), flip(v), **{n: flip(x) for n, x in gate.items()}, output_final_state=True)
+        assert err_ratio(flip(o2), o) < 1e-6 and err_ratio(ht2, ht) < 1e-6
+    cu = jnp.asarray([0, 40, 40, 90], jnp.int32)
+    o, ht = fla_jax.fused_recurrent_simple_gla(q, k, v, g, reverse=True, cu_seqlens=cu, output_final_state=True)
+    for n, (a, b) in enumerate(((0, 40), (40, 40), (40, 90))):
+        if a == b:
+            assert float(jnp.abs(ht[n]).max()) == 0.0
+            continue
+        o1, h1 = fla_jax.fused_recurrent_simple_gla(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], reverse=True, output_final_state=True)
+        assert err_ratio(o1, o[:, a:b]) < 1e-6 and err_ratio(h1[0], ht[n]) < 1e-6
+
+
+def test_value_and_key_gates_match_a_float64_loop():
+    """GLA's `gv` (a decay per value channel) and GDN's `gk` / `gv` beside its scalar g, against a float64 loop."""
+    rng = np.random.default_rng(4)
+    B, T, H, K, V = 2, 70, 1, 8, 4
+    x = {n: rng.standard_normal((B, T, H, d)) for n, d in (("q", K), ("k", K), ("v", V))}
+    x["k"] /= np.linalg.norm(x["k"], axis=-1, keepdims=True)
+    gk, gv, g = -rng.uniform(0, 0.3, (B, T, H, K)), -rng.uniform(0, 0.3, (B, T, H, V)), -rng.uniform(0, 0.3, (B, T, H))
+    beta = rng.uniform(0, 1, (B, T, H))
+
+    def loop(delta, gk, gv):
+        S = np.zeros((B, H, K, V))
+        o = np.zeros((B, T, H, V))
+        for t in range(T):
+            S = S * np.exp(gk[:, t])[..., None] * np.exp(gv[:, t])[..., None, :]
+            vt = x["v"][:, t]
+            if delta:
+                vt = beta[:, t][..., None] * (vt - np.einsum("bhkv,bhk->bhv", S, x["k"][:, t]))
+            S = S + x["k"][:, t][..., :, None] * vt[..., None, :]
+            o[:, t] = np.einsum("bhkv,bhk->bhv", S, x["q"][:, t]) * K**-0.5
+        return o, S
+
+    f = {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
+    o, ht = fla_jax.fused_recurrent_gla(**f, gk=jnp.asarray(gk, jnp.float32), gv=jnp.asarray(gv, jnp.float32), output_final_state=True)
+    ro, rS = loop(False, gk, gv)
+    assert err_ratio(ro, o) < 1e-5 and err_ratio(rS, ht) < 1e-5
+    o, ht = fla_jax.fused_recurrent_gated_delta_rule(**f, g=jnp.asarray(g, jnp.float32), gk=jnp.asarray(gk, jnp.float32),
+                                                     gv=jnp.asarray(gv, jnp.float32), beta=jnp.asarray(beta, jnp.float32),
+                                                     output_final_state=True)
+    ro, rS = loop(True, gk + g[..., None], gv)
+    assert err_ratio(ro, o) < 1e-5 and err_ratio(rS, ht) < 1e-5
+
+
+def test_recurrent_gdn_options_equal_the_chunk_op():
+    """The gate options (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`, `allow_neg_eigval`) mean what they
+    mean in `chunk_gated_delta_rule`; beta None is ones; misuse is refused by name."""
+    rng = np.random.default_rng(6)
+    B, T, H, K = 1, 50, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32) for _ in range(3))
+    g, b = (jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32) for _ in range(2))
+    opts = dict(use_gate_in_kernel=True, A_log=jnp.asarray([0.5, 1.0]), dt_bias=jnp.asarray([0.1, -0.2]), use_beta_sigmoid_in_kernel=True,
+                allow_neg_eigval=True, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    o, ht = fla_jax.fused_recurrent_gated_delta_rule(q, k, v, g, beta=b, **opts)
+    o2, ht2 = fla_jax.chunk_gated_delta_rule(q, k, v, g, b, backend="xla", **opts)
+    assert err_ratio(o2, o) < 1e-5 and err_ratio(ht2, ht) < 1e-5
+    ones = jnp.ones((B, T, H), jnp.float32)
+    o, _ = fla_jax.fused_recurrent_delta_rule(q, k, v, use_qk_l2norm_in_kernel=True)
+    o2, _ = fla_jax.chunk_delta_rule(q, k, v, ones, use_qk_l2norm_in_kernel=True, backend="xla")
+    assert err_ratio(o2, o) < 1e-5
+    with pytest.raises(ValueError, match="takes the raw gate as `g`"):
+        fla_jax.fused_recurrent_gated_delta_rule(q, k, v, beta=b, use_gate_in_kernel=True, A_log=jnp.zeros(2))
+    with pytest.raises(ValueError, match="`gv` must have rank 4"):
+        fla_jax.fused_recurrent_gla(q, k, v, gv=g)
+    with pytest.raises(TypeError, match="`reverse` must be a bool"):
+        fla_jax.fused_recurrent_simple_gla(q, k, v, g, reverse=1)
