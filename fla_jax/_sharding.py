@@ -4,9 +4,11 @@ The recurrence runs along T and contracts over K and V, so only the batch (B) an
 can be split without communication. Two cases:
 
 * A mesh with Explicit axes is set (`jax.set_mesh`): the input types carry their shardings. The
-  op reads them, rejects a sharded T, K or V axis with a ValueError naming the argument, and runs
+  op reads them, rejects a sharded K or V axis with a ValueError naming the argument, and runs
   the whole op under `shard_map` over the B and H mesh axes: each device computes its own
   sequences and heads, nothing is gathered, and the outputs come back sharded the same way.
+  A sharded T is context parallelism (`_context_parallel`): each device holds a piece of every
+  sequence, and only states travel between devices.
 * Otherwise (Auto axes, or no mesh): the pure-JAX backends are ordinary XLA programs that the
   SPMD partitioner splits along B and H with no collectives (the tests check the compiled HLO);
   an input sharded along T, K or V is gathered by XLA, which is slower but correct.
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 # Layout letters per argument: b batch, t time, h heads, k/v head dims, n sequences.
@@ -29,10 +32,10 @@ _DIMS = {
 }
 
 
-def layout_spec(layout: str, *, batch=None, heads=None, seqs=None) -> P:
-    """The PartitionSpec of an array whose axes `layout` labels (b, h, n sharded as given; t, k and
+def layout_spec(layout: str, *, batch=None, heads=None, seqs=None, time=None) -> P:
+    """The PartitionSpec of an array whose axes `layout` labels (b, h, n, t sharded as given; k and
     v whole)."""
-    return P(*({"b": batch, "h": heads, "n": seqs}.get(c) for c in layout))
+    return P(*({"b": batch, "h": heads, "n": seqs, "t": time}.get(c) for c in layout))
 
 
 def _explicit_mesh():
@@ -57,25 +60,60 @@ def apply(compute: Callable, args: dict, *, varlen: bool):
     if g is not None:
         dims["g"] = "bthk"[: g.ndim]
     batch, heads = _spec(args["v"])[0], _spec(args["v"])[2]
+    time = None  # the mesh axes T is split over (context parallelism): those of the first token array split so
     for name, x in args.items():
         if x is None or name == "cu_seqlens":
             continue
         for letter, axes in zip(dims[name], _spec(x)):
-            if axes is not None and letter in "tkv":
+            if axes is not None and letter in "kv":
                 raise ValueError(
-                    f"`{name}` is sharded along {letter.upper()} (mesh axes {axes!r}); fla_jax ops shard only the "
-                    f"batch and head axes: reshard `{name}` so that T, K and V are whole on every device"
+                    f"`{name}` is sharded along {letter.upper()} (mesh axes {axes!r}); fla_jax ops shard the batch, "
+                    f"head and time axes: reshard `{name}` so that K and V are whole on every device"
                 )
+            if axes is not None and letter == "t" and time is None:
+                time = axes
     if varlen and batch is not None:
         raise ValueError(f"with `cu_seqlens` the batch axis has size 1 and cannot be sharded, got mesh axes {batch!r}")
-    axes = {"batch": batch, "heads": heads, "seqs": None if varlen else batch}
+    if varlen and time is not None:
+        raise ValueError(f"with `cu_seqlens` the time axis cannot be sharded yet (got mesh axes {time!r}): context "
+                         "parallelism takes dense batches; reshard q, k, v and the gates so that T is whole")
+    axes = {"batch": batch, "heads": heads, "seqs": None if varlen else batch, "time": time}
     dims["cu_seqlens"] = ""  # replicated
     names = [n for n in args if args[n] is not None]
     in_specs = tuple(layout_spec(dims[n], **axes) for n in names)
     values = tuple(jax.sharding.reshard(args[n], s) for n, s in zip(names, in_specs))
 
     def local(*xs):
-        return compute(**{**{n: None for n in args}, **dict(zip(names, xs))})
+        local_args = {**{n: None for n in args}, **dict(zip(names, xs))}
+        return compute(**local_args) if time is None else _context_parallel(compute, local_args, time)
 
-    out_specs = (layout_spec("bthv", **axes), layout_spec("nhkv", **axes))
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*values)
+    out_specs = (layout_spec("bthv", **axes), layout_spec("nhkv", **dict(axes, time=None)))
+    # (context parallelism: the final state is folded from gathered states on every device alike, which the
+    # varying-axes check cannot infer)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=time is None)(*values)
+
+
+def _context_parallel(compute: Callable, args: dict, time):
+    """The op on one device's piece of T (inside `shard_map`, `time` the mesh axes T is split over).
+
+    Each op maps the state entering a piece to the state leaving it affinely, `S_out = A S_in + B` (per
+    sequence and head; A `[K, K]` acts on the key axis: the gates' decay, and the delta rules'
+    `prod (I - beta k k^T)`). Every device computes its piece's B (the op from a zero state) and A (the op
+    with v = 0 from the identity, `[K, K]` read as K value columns), gathers every piece's A and B (the only
+    collective: states, never q, k, v or o), folds them from the initial state into the state entering its
+    own piece and the final one, and runs its piece from there. Exact; three passes of the op's work."""
+    q, v = args["q"], args["v"]
+    N, HV, K = q.shape[0], v.shape[2], q.shape[3]
+    _, B_piece = compute(**dict(args, initial_state=None))
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (N, HV, K, K))
+    _, A_piece = compute(**dict(args, v=jnp.zeros((*v.shape[:3], K), v.dtype), initial_state=eye))
+    A_all, B_all = (jax.lax.all_gather(x.astype(jnp.float32), time) for x in (A_piece, B_piece))  # [P, N, HV, K, .]
+    me = jax.lax.axis_index(time)
+    h0 = args["initial_state"]
+    S = jnp.zeros(B_piece.shape, jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    entering = S
+    for j in range(A_all.shape[0]):  # (P is static: a few small products per piece)
+        entering = jnp.where(j == me, S, entering)
+        S = jnp.einsum("nhij,nhjv->nhiv", A_all[j], S, precision=jax.lax.Precision.HIGHEST) + B_all[j]
+    o, _ = compute(**dict(args, initial_state=entering.astype(B_piece.dtype)))
+    return o, S.astype(B_piece.dtype)
