@@ -212,11 +212,11 @@ def test_demo_generation_equals_sampling_from_the_whole_sequence(layer):
     sampling with the same keys from the model run over each whole prefix draws, for prompts of different lengths."""
     model = demo.LanguageModel(64, 32, 2, layer, 2, 16, "auto", rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 64, n) for n in (3, 70, 1)]
+    prompts = [rng.integers(0, 64, n) for n in (3, 66, 1)]
     key = jax.random.key(7)
-    toks, _ = demo.generate(model, prompts, 5, key)
+    toks, _ = demo.generate(model, prompts, 3, key)
     seqs = [list(p) for p in prompts]
-    for i, k in enumerate(jax.random.split(key, 5)):
+    for i, k in enumerate(jax.random.split(key, 3)):
         logits = jnp.stack([model(jnp.asarray(s_)[None])[0, -1] for s_ in seqs]).astype(jnp.float32)
         tok = np.asarray(jax.random.categorical(k, logits))
         assert (tok == toks[:, i]).all(), (i, tok, toks[:, i])
