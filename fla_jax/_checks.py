@@ -56,6 +56,19 @@ def gate(name: str, x, expected: tuple[int, ...], what: str) -> jax.Array:
     return x
 
 
+def scalar_gate(g, g_gamma, B: int, T: int, H: int) -> jax.Array | None:
+    """Simple GLA's decay as `[B, T, H]` (or None): `g [B, T, H]`, or `g_gamma [H]` broadcast over B and T;
+    at most one of them."""
+    if g is not None and g_gamma is not None:
+        raise ValueError("pass at most one of `g` ([B, T, H]) and `g_gamma` ([H]), got both")
+    if g is not None:
+        return gate("g", g, (B, T, H), "[B, T, H]")
+    if g_gamma is not None:
+        g_gamma = gate("g_gamma", g_gamma, (H,), "[H]")
+        return jnp.broadcast_to(g_gamma.astype(jnp.promote_types(g_gamma.dtype, jnp.float32)), (B, T, H))
+    return None
+
+
 def scale(scale, K: int) -> float:
     if scale is None:
         return K**-0.5

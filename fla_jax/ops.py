@@ -114,14 +114,7 @@ def chunk_simple_gla(
       ValueError, TypeError: an argument of the wrong shape, dtype or value (the message names it).
     """
     q, k, v = _checks.qkv(q, k, v, grouped=False)
-    B, T, H, K = q.shape
-    if g is not None and g_gamma is not None:
-        raise ValueError("pass at most one of `g` ([B, T, H]) and `g_gamma` ([H]), got both")
-    if g is not None:
-        g = _checks.gate("g", g, (B, T, H), "[B, T, H]")
-    elif g_gamma is not None:
-        g_gamma = _checks.gate("g_gamma", g_gamma, (H,), "[H]")
-        g = jnp.broadcast_to(g_gamma.astype(jnp.promote_types(g_gamma.dtype, jnp.float32)), (B, T, H))
+    g = _checks.scalar_gate(g, g_gamma, *q.shape[:3])
     chunk_size = _checks.chunk_size(chunk_size)
     return _run(
         "simple_gla", q, k, v, g, None, scale=scale, initial_state=initial_state,

@@ -120,13 +120,7 @@ def fused_recurrent_simple_gla(
     """Simple GLA token by token (fla's `fused_recurrent_simple_gla`); arguments as `chunk_simple_gla`'s, and
     `reverse`: walk the tokens from the last (the state then flows backwards in time)."""
     q, k, v = _checks.qkv(q, k, v, grouped=False)
-    B, T, H, _ = q.shape
-    if g is not None and g_gamma is not None:
-        raise ValueError("pass at most one of `g` ([B, T, H]) and `g_gamma` ([H]), got both")
-    if g is not None:
-        g = _checks.gate("g", g, (B, T, H), "[B, T, H]")
-    elif g_gamma is not None:
-        g = jnp.broadcast_to(_checks.gate("g_gamma", g_gamma, (H,), "[H]"), (B, T, H))
+    g = _checks.scalar_gate(g, g_gamma, *q.shape[:3])
     return _run(False, q, k, v, g, None, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, reverse=reverse)
 
