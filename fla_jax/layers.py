@@ -34,8 +34,7 @@ def _conv_tails(u: jax.Array, W: int, cu_seqlens: jax.Array | None) -> jax.Array
     if W == 1:
         return jnp.zeros((u.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1, 0, u.shape[-1]), u.dtype)
     if cu_seqlens is None:
-        tail = jnp.pad(u, ((0, 0), (W - 1, 0), (0, 0)))[:, -(W - 1):]
-        return tail
+        return jnp.pad(u, ((0, 0), (W - 1, 0), (0, 0)))[:, -(W - 1):]
     idx = cu_seqlens[1:, None] - (W - 1) + jnp.arange(W - 1)[None]  # [N, W - 1] token of each tail slot
     inside = idx >= cu_seqlens[:-1, None]
     return jnp.where(inside[..., None], u[0, jnp.clip(idx, 0, u.shape[1] - 1)], 0).astype(u.dtype)
