@@ -1,6 +1,9 @@
 """Times one decode step of the recurrent ops (T = 1, the state carried, donated so it updates in place)
 against the bytes the step must move: the float32 state read and written once, `2 B H K V 4` bytes, plus
-q, k, v and the gates. Prints ms a step and the achieved bandwidth.
+q, k, v and the gates; and against jla 0.1.0's step (`jla.ops.linear_attention` at T = 1 with the state,
+what its layers' `step` runs), both in one process, interleaved rounds, medians. A step is timed inside one
+jitted loop of `--steps` steps (as generation runs it: no host dispatch a token). Prints ms a step and the
+achieved bandwidth.
 
     python benchmarks/decode.py --ops gdn,simple_gla --batches 1,8,64 --dims 16x128x128,8x256x512
 """
@@ -20,6 +23,17 @@ import fla_jax
 OPS = {"gdn": "gated_delta_rule", "delta": "delta_rule", "simple_gla": "simple_gla", "gla": "gla"}
 
 
+def loop(step, n: int):
+    """`n` steps of `step` in one jitted loop, the state carried (donated), o summed so that it is computed."""
+    def f(state, q, k, v, g, beta):
+        def body(_, c):
+            state, acc = c
+            o, state = step(state, q, k, v, g, beta)
+            return state, acc + o.astype(jnp.float32)
+        return jax.lax.fori_loop(0, n, body, (state, jnp.zeros(v.shape, jnp.float32)))[::-1]
+    return jax.jit(f, donate_argnums=0)
+
+
 def step_fn(op: str):
     """`(state, q, k, v, g, beta) -> (o, state)` of one op's decode step."""
     def f(state, q, k, v, g, beta):
@@ -33,30 +47,52 @@ def step_fn(op: str):
         else:
             o, s = fla_jax.fused_recurrent_gla(q, k, v, jnp.broadcast_to(g[..., None], q.shape), initial_state=state, output_final_state=True)
         return o, s
-    return jax.jit(f, donate_argnums=0)
+    return f
 
 
-def bench(op: str, B: int, H: int, K: int, V: int, reps: int = 20, inner: int = 50) -> tuple[float, float]:
+def jla_step_fn(op: str):
+    """jla's step of the same op (its `auto` implementation), or None where jla is not installed."""
+    try:
+        from jla import ops
+    except ImportError:
+        return None
+    kind = {"gated_delta_rule": "gated_deltanet", "delta_rule": "deltanet", "simple_gla": "simple_gla", "gla": "gla"}[op]
+
+    def f(state, q, k, v, g, beta):
+        kw = {"g": g} if op in ("gated_delta_rule", "simple_gla") else {"g": jnp.broadcast_to(g[..., None], q.shape)} if op == "gla" else {}
+        if op in ("gated_delta_rule", "delta_rule"):
+            kw.update(beta=beta, use_qk_l2norm=True)
+        return ops.linear_attention(kind, q, k, v, initial_state=state, output_final_state=True, **kw)
+    return f
+
+
+def bench(op: str, B: int, H: int, K: int, V: int, steps: int, reps: int = 7) -> dict[str, float]:
+    """{implementation: median ms a step}, the implementations timed in interleaved rounds."""
     rng = np.random.default_rng(0)
     bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     q, k, v = bf(B, 1, H, K), bf(B, 1, H, K), bf(B, 1, H, V)
     g = jnp.asarray(-rng.uniform(0, 0.1, (B, 1, H)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0, 1, (B, 1, H)), jnp.float32)
-    state = jnp.zeros((B, H, K, V), jnp.float32)
-    f = step_fn(op)
-    for _ in range(3):
-        _, state = f(state, q, k, v, g, beta)
-    jax.block_until_ready(state)
-    times = []
+    fns = {"fla_jax": step_fn(op), "jla": jla_step_fn(op)}
+    fns = {name: loop(f, steps) for name, f in fns.items() if f is not None}
+    states = {name: jnp.zeros((B, H, K, V), jnp.float32) for name in fns}
+    for name, f in fns.items():
+        for _ in range(2):
+            _, states[name] = f(states[name], q, k, v, g, beta)
+        jax.block_until_ready(states[name])
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            o, state = f(state, q, k, v, g, beta)
-        jax.block_until_ready(state)
-        times.append((time.perf_counter() - t0) / inner)
-    ms = statistics.median(times) * 1e3
-    moved = 2 * B * H * K * V * 4 + 2 * (2 * B * H * K + 2 * B * H * V) + 8 * B * H
-    return ms, moved / (ms * 1e-3) / 1e9
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            _, states[name] = f(states[name], q, k, v, g, beta)
+            jax.block_until_ready(states[name])
+            times[name].append((time.perf_counter() - t0) / steps)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def moved_bytes(B: int, H: int, K: int, V: int) -> int:
+    """What a step must move: the float32 state read and written, q, k, v in and o out (bf16), the gates."""
+    return 2 * B * H * K * V * 4 + 2 * (2 * B * H * K + 2 * B * H * V) + 8 * B * H
 
 
 def main():
@@ -64,16 +100,20 @@ def main():
     ap.add_argument("--ops", default="gdn,simple_gla")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--dims", default="16x128x128,8x256x512", help="HxKxV[,...]")
+    ap.add_argument("--steps", type=int, default=256, help="steps in the timed loop")
     args = ap.parse_args()
     print(f"device: {jax.devices()[0].device_kind}")
-    print("| op | B | H,K,V | ms / step | state bytes moved | GB/s |")
-    print("|---|---|---|---|---|---|")
+    print("| op | B | H,K,V | bytes a step | fla_jax ms (GB/s) | jla ms (GB/s) | speedup |")
+    print("|---|---|---|---|---|---|---|")
     for op in args.ops.split(","):
         for dims in args.dims.split(","):
             H, K, V = map(int, dims.split("x"))
             for B in map(int, args.batches.split(",")):
-                ms, gbs = bench(OPS[op], B, H, K, V)
-                print(f"| {op} | {B} | {H},{K},{V} | {ms:.4f} | {2 * B * H * K * V * 4 / 1e6:.1f} MB | {gbs:.0f} |", flush=True)
+                ms = bench(OPS[op], B, H, K, V, args.steps)
+                moved = moved_bytes(B, H, K, V)
+                cell = lambda n: f"{ms[n]:.4f} ({moved / (ms[n] * 1e-3) / 1e9:.0f})" if n in ms else "-"
+                ratio = f"{ms['jla'] / ms['fla_jax']:.2f}x" if "jla" in ms else "-"
+                print(f"| {op} | {B} | {H},{K},{V} | {moved / 1e6:.1f} MB | {cell('fla_jax')} | {cell('jla')} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,15 +25,29 @@ _HI = lax.Precision.HIGHEST
 
 def _step(delta: bool, S, q, k, v, gk, gv, beta):
     """One token for every row and head: `S [B, H, K, V]`, q, k `[B, H, K]`, v `[B, H, V]`, gk None,
-    `[B, H]` or `[B, H, K]`, gv None or `[B, H, V]`, beta None or `[B, H]`; `(S, o [B, H, V])`."""
-    if gk is not None:
-        S = S * jnp.exp(gk)[..., None] if gk.ndim == 3 else S * jnp.exp(gk)[..., None, None]
+    `[B, H]` or `[B, H, K]`, gv None or `[B, H, V]`, beta None or `[B, H]`; `(S, o [B, H, V])`.
+
+    Two passes over S, the fewest XLA can fuse it to: the decayed state's products with k and q in one
+    (`D(S)^T x` from S itself: a row decay scales x, a scalar or column decay the product), then the update
+    `S' = D(S) + k u^T` (u = v, or the delta rule's `beta (v - D(S)^T k)`) in one read and write; the output
+    `S'^T q = D(S)^T q + (k . q) u` needs no third."""
+    scalar = gk is not None and gk.ndim == 2
+    rows = None if gk is None or scalar else jnp.exp(gk)  # [B, H, K]
+    x = jnp.stack([k, q], axis=-1)
+    r = jnp.einsum("bhkv,bhkn->bhvn", S, x if rows is None else x * rows[..., None], precision=_HI)
+    if scalar:
+        r = r * jnp.exp(gk)[..., None, None]
+    if gv is not None:
+        r = r * jnp.exp(gv)[..., None]
+    u = beta[..., None] * (v - r[..., 0]) if delta else v
+    if scalar:
+        S = S * jnp.exp(gk)[..., None, None]
+    elif rows is not None:
+        S = S * rows[..., None]
     if gv is not None:
         S = S * jnp.exp(gv)[..., None, :]
-    if delta:
-        v = beta[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", S, k, precision=_HI))
-    S = S + k[..., :, None] * v[..., None, :]
-    return S, jnp.einsum("bhkv,bhk->bhv", S, q, precision=_HI)
+    S = S + k[..., :, None] * u[..., None, :]
+    return S, r[..., 1] + jnp.sum(k * q, axis=-1, keepdims=True) * u
 
 
 def _scan(delta: bool, reverse: bool, h0, xs, seq=None):

@@ -162,13 +162,34 @@ def test_layer_cache_prefill_then_steps_equals_the_whole_sequence(name):
     """Generation: packed prompts of different lengths prefilled by the chunk op (`return_cache=True` with
     cu_seqlens: one cache row per prompt), then token steps for all rows at once in one jitted loop, give each
     row what the layer gives on its prompt and continuation in one call (outputs and the final state)."""
+    _cache_against_the_whole_sequence(LAYERS[name](), jnp.float32, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "gla"])
+def test_layer_cache_on_the_kernels(name):
+    """The same on the GPU in bf16 with head dims the kernels take: the prefill and the whole sequences on the
+    TileLang kernels (a fallback to XLA is an error here), the steps by the recurrent ops."""
+    import warnings
+
+    import fla_jax
+
+    if not fla_jax.backends()["tilelang"].usable:
+        pytest.skip(str(fla_jax.backends()["tilelang"]))
+    make = {"gdn": lambda: GatedDeltaNet(32, 2, 64, num_v_heads=4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+            "gla": lambda: GatedLinearAttention(32, 2, 64, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))}[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fla_jax.FallbackWarning)
+        _cache_against_the_whole_sequence(make(), jnp.bfloat16, 2e-2)
+
+
+def _cache_against_the_whole_sequence(layer, dtype, tol):
     from fla_jax.layers import Cache
 
-    layer = LAYERS[name]()
     lens, steps = [5, 70, 1], 6
     rng = jax.random.key(3)
-    prompts = jax.random.normal(rng, (1, sum(lens), 32), jnp.float32)
-    more = jax.random.normal(jax.random.key(4), (len(lens), steps, 32), jnp.float32)
+    prompts = jax.random.normal(rng, (1, sum(lens), 32), dtype)
+    more = jax.random.normal(jax.random.key(4), (len(lens), steps, 32), dtype)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     y_pre, cache = layer(prompts, cu_seqlens=cu, return_cache=True)
     assert isinstance(cache, Cache) and cache.state.shape[0] == len(lens)
@@ -189,17 +210,17 @@ def test_layer_cache_prefill_then_steps_equals_the_whole_sequence(name):
     for n, L in enumerate(lens):
         whole = jnp.concatenate([prompts[:, start : start + L], more[n : n + 1]], axis=1)
         y, ht = layer(whole, output_final_state=True)
-        assert err_ratio(y[:, :L], y_pre[:, start : start + L]) < 1e-5
-        assert err_ratio(y[0, L:], ys[n]) < 1e-5, n
-        assert err_ratio(ht[0], cache.state[n]) < 1e-5
+        assert err_ratio(y[:, :L], y_pre[:, start : start + L]) < tol
+        assert err_ratio(y[0, L:], ys[n]) < tol, n
+        assert err_ratio(ht[0], cache.state[n]) < tol
         start += L
     # a dense prefill (equal-length rows) continues the same way, from an empty cache too
-    x = jax.random.normal(jax.random.key(5), (2, 9, 32), jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (2, 9, 32), dtype)
     y_all = layer(x)
     y1, c = layer(x[:, :4], cache=layer.init_cache(2))
     y2, c = layer(x[:, 4:5], cache=c)
     y3, c = layer(x[:, 5:], cache=c)
-    assert err_ratio(y_all, jnp.concatenate([y1, y2, y3], 1)) < 1e-5
+    assert err_ratio(y_all, jnp.concatenate([y1, y2, y3], 1)) < tol
     with pytest.raises(ValueError, match="a `cache` continues dense rows"):
         layer(x, cache=c, cu_seqlens=jnp.asarray([0, 9], jnp.int32))
     with pytest.raises(TypeError, match="`cache` must be a fla_jax.layers.Cache"):
