@@ -18,7 +18,6 @@ Triton < 3.7.1 on Hopper (its issue #640); `--lift-fla-check` lifts that for tim
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -89,11 +88,14 @@ def _jax_time(fn, args, reps=10, inner=10):
     return statistics.median(_jax_samples(fn, args, reps, inner))
 
 
-def _jax_fns(impl, op):
-    """`(call(q, k, v, g, beta) -> o, names of differentiable gates)` for one JAX implementation."""
+def _jax_fns(impl, op, config=None):
+    """`(call(q, k, v, g, beta) -> o, names of differentiable gates)` for one JAX implementation; `config`:
+    fla_jax's tilelang backend so configured (a `fla_jax.TileLangConfig`)."""
 
     lib, _, backend = impl.partition(":")
     backend, _, options = backend.partition("+")
+    if lib == "fla_jax" and backend == "tilelang" and config is not None:
+        backend = config
     if lib == "fla_jax" and options == "options":  # GDN with fla's gate options (`g` raw, `beta` logits)
         import fla_jax
         import jax.numpy as jnp
@@ -143,10 +145,9 @@ def _compiled_step(impl, op, shape):
     """`jax_step` of `impl` (`fla_jax:tilelang@NAME`: configured as `--alt NAME=SPEC` says), its
     forward and training step traced and compiled under that configuration (later calls reuse them)."""
     base, _, alt = impl.partition("@")
-    with _alternative(ALTERNATIVES.get(alt, "")):
-        fwd, fwdbwd, args = jax_step(base, op, shape)
-        _jax_samples(fwd, args, reps=1, inner=1)
-        _jax_samples(fwdbwd, args, reps=1, inner=1)
+    fwd, fwdbwd, args = jax_step(base, op, shape, _alternative(ALTERNATIVES.get(alt, "")))
+    _jax_samples(fwd, args, reps=1, inner=1)
+    _jax_samples(fwdbwd, args, reps=1, inner=1)
     return fwd, fwdbwd, args
 
 
@@ -208,42 +209,37 @@ def _override(item: str, option: str):
     return tuple(where.split(".")), name
 
 
-@contextlib.contextmanager
+# The tilelang configuration that bench.py's flags (--experiments, --xla-zeros, ...) set, before any `--alt`.
+BASE_CONFIG = None
+
+
 def _alternative(spec: str):
-    """The tilelang backend's switches and experiment overrides as `spec` sets them while the
-    functions trace: comma-separated `xla-zeros` (ZERO_ROW_H0, ZERO_ROW_DHT off), `+SWITCH` / `-SWITCH`
-    (a boolean switch of the backend on or off, or one of head dims at all or none, e.g.
-    `-DELTA_GRADS_KERNEL`) and
-    `op.direction.program=experiment` entries."""
-    from fla_jax import tilelang_backend as tb
+    """The tilelang backend's `TileLangConfig` as `spec` changes `BASE_CONFIG`: comma-separated `xla-zeros`
+    (zero_row_h0, zero_row_dht off), `+field` / `-field` (a boolean field on or off, or one of head dims at
+    all or none, e.g. `-delta_grads_kernel`) and `op.direction.program=experiment` entries."""
+    import dataclasses
+
+    from fla_jax import TileLangConfig
     from fla_jax import _variants as variants
 
-    saved = (tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT, dict(tb.EXPERIMENT_OVERRIDES))
-    switches = {}
-    try:
-        for item in filter(None, spec.split(",")):
-            if item == "xla-zeros":
-                tb.ZERO_ROW_H0 = tb.ZERO_ROW_DHT = False
-            elif item[0] in "+-":  # (a switch of head dims: all of them, or none)
-                value = getattr(tb, item[1:], None)
-                if not isinstance(value, (bool, tuple)):
-                    raise ValueError(f"--alt: {item[1:]!r} is not a boolean or head-dims switch of fla_jax.tilelang_backend")
-                switches.setdefault(item[1:], value)
-                on = item[0] == "+"
-                setattr(tb, item[1:], on if isinstance(value, bool) else tuple(variants.HEAD_DIMS) if on else ())
-            else:
-                key, name = _override(item, "--alt (or xla-zeros)")
-                tb.EXPERIMENT_OVERRIDES[key] = name
-        yield
-    finally:
-        for name, value in switches.items():
-            setattr(tb, name, value)
-        tb.ZERO_ROW_H0, tb.ZERO_ROW_DHT = saved[:2]
-        tb.EXPERIMENT_OVERRIDES.clear()
-        tb.EXPERIMENT_OVERRIDES.update(saved[2])
+    cfg = BASE_CONFIG or TileLangConfig()
+    for item in filter(None, spec.split(",")):
+        if item == "xla-zeros":
+            cfg = dataclasses.replace(cfg, zero_row_h0=False, zero_row_dht=False)
+        elif item[0] in "+-":  # (a switch of head dims: all of them, or none)
+            name = item[1:].lower()
+            value = getattr(cfg, name, None)
+            if not isinstance(value, (bool, tuple)):
+                raise ValueError(f"--alt: {item[1:]!r} is not a boolean or head-dims field of fla_jax.TileLangConfig")
+            on = item[0] == "+"
+            cfg = dataclasses.replace(cfg, **{name: on if isinstance(value, bool) else tuple(variants.HEAD_DIMS) if on else ()})
+        else:
+            key, name = _override(item, "--alt (or xla-zeros)")
+            cfg = dataclasses.replace(cfg, experiments=(*cfg.experiments, (key, name)))
+    return cfg
 
 
-def jax_step(impl, op, shape):
+def jax_step(impl, op, shape, config=None):
     """`(fwd, fwdbwd, args)`: the jitted forward and training step (loss and gradients) of one
     JAX implementation on the benchmark's inputs."""
     import jax
@@ -254,7 +250,7 @@ def jax_step(impl, op, shape):
     q, k, v, do = bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["do"])
     g = None if "g" not in x else jnp.asarray(x["g"])
     beta = None if "beta" not in x else jnp.asarray(x["beta"])
-    call = _jax_fns(impl, op)
+    call = _jax_fns(impl, op, config)
     fwd = jax.jit(call)
     argnums = (0, 1, 2) + ((3,) if g is not None else ()) + ((4,) if beta is not None else ())
     # value_and_grad: a training step needs the loss, so the forward output is computed too (with
@@ -337,22 +333,23 @@ def main(argv=None):
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
     add_alternatives(args.alt)
-    from fla_jax import tilelang_backend
+    from fla_jax import TileLangConfig
 
-    for item in filter(None, args.experiments.split(",")):
-        try:
-            key, name = _override(item, "--experiments")
-        except ValueError as e:
-            ap.error(str(e))
-        tilelang_backend.EXPERIMENT_OVERRIDES[key] = name
+    global BASE_CONFIG
+    base = {}
+    try:
+        base["experiments"] = tuple(_override(item, "--experiments") for item in filter(None, args.experiments.split(",")))
+    except ValueError as e:
+        ap.error(str(e))
     if args.xla_zeros:
-        tilelang_backend.ZERO_ROW_H0 = tilelang_backend.ZERO_ROW_DHT = False
+        base |= {"zero_row_h0": False, "zero_row_dht": False}
     if args.delta_xla_vjps:
-        tilelang_backend.DELTA_FUSED_BWD = tilelang_backend.DELTA_WY_BWD_KERNEL = False
+        base |= {"delta_fused_bwd": False, "delta_wy_bwd_kernel": False}
     if args.delta_fwd_inverse is not None:
-        tilelang_backend.DELTA_FWD_INVERSE = tuple(int(d) for d in filter(None, args.delta_fwd_inverse.split(",")))
+        base["delta_fwd_inverse"] = tuple(int(d) for d in filter(None, args.delta_fwd_inverse.split(",")))
     if args.delta_fwd_wy:
-        tilelang_backend.DELTA_FWD_INVERSE = ()
+        base["delta_fwd_inverse"] = ()
+    BASE_CONFIG = TileLangConfig(**base)
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [parse_shape(s) for s in args.shapes.split(",")]
     impls = args.impls.split(",")

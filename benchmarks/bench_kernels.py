@@ -42,7 +42,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     s = np.float32(D**-0.5)
     p = Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
-    run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: tb._call(tb._targets(p, direction, D, D)[name], results, *b, **kw))(*a)
+    run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: tb._call(p, tb._targets(p, direction, D, D)[name], results, *b, **kw))(*a)
     # the consumer's dv (and but for GLA dg): whole, or in float32 parts where it splits the key channels
     parts = tb._value_parts(p, D, D)
     split = lambda a: like(a) if parts == 1 else jax.ShapeDtypeStruct((parts, *a.shape), jnp.float32)
@@ -115,13 +115,14 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         # the state passes from the inverse in V blocks of 32 take their V-64 twins' inputs
         calls |= {f"{n}_v32": calls[n] for n in ("fused_t", "fused_t_l2") if n in calls}
         f32 = lambda a: a.astype(jnp.float32)
-        local = lambda *a: jax.vjp(lambda *b: tb._delta_local(64, float(s), *b), *a[:6])[1](a[6:])
+        at = lambda prec: tb.configured(p, tb.Config(vjp_precision=prec))
+        local = lambda prec: jax.jit(lambda *a: jax.vjp(lambda *b: tb._delta_local(at(prec), 64, float(s), *b), *a[:6])[1](a[6:]))
         dw, du = (jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (w, u))
         presets = jax.lax.DotAlgorithmPreset
-        for prec in (tb.VJP_PRECISION, jax.lax.Precision.HIGHEST, presets.BF16_BF16_F32_X6, presets.BF16_BF16_F32)[: 4 * xla]:
+        for prec in (tb.DEFAULT.vjp_precision, jax.lax.Precision.HIGHEST, presets.BF16_BF16_F32_X6, presets.BF16_BF16_F32)[: 4 * xla]:
             name = getattr(prec, "name", str(prec))
-            yield f"xla:local_vjp:{name}", _with_precision(local, prec), (f32(q), f32(k), f32(w), f32(u), G, h, f32(do), f32(h))
-            yield f"xla:wy_vjp:{name}", _with_precision(lambda *a: tb._wy_vjp(64, *a), prec), (Tm, k, v, G, beta, dw, du)
+            yield f"xla:local_vjp:{name}", local(prec), (f32(q), f32(k), f32(w), f32(u), G, h, f32(do), f32(h))
+            yield f"xla:wy_vjp:{name}", jax.jit(lambda *a, prec=prec: tb._wy_vjp(at(prec), 64, *a)), (Tm, k, v, G, beta, dw, du)
     for direction in ("fwd", "bwd"):
         variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.declared:
@@ -137,31 +138,18 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
                 results = (*results, jax.ShapeDtypeStruct((B * T, H), jnp.float32), jax.ShapeDtypeStruct((B * T // 64, H, 64), jnp.float32))
             if config.get("dg_sum"):  # (the WY VJP adding the consumer's dG: G stands in for it)
                 args = (*args[:8], G, *args[8:])
-            yield f"{direction}:{prog.name}", _kernel(variant.target(prog), results, attrs), args
+            yield f"{direction}:{prog.name}", _kernel(p, variant.target(prog), results, attrs), args
     if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path, and none (every chunk wide)
         for label, factor in (("strong", 100.0), ("zero", 0.0)):
             a_x, G_x = run("fwd", "a", am, q, k, gk * factor, scale=s)[:2]
             for direction, name, args in (("fwd", "a", (q, k, gk * factor)), ("bwd", "dqkvg", (q, k, v, G_x, a_x, h, do, h))):
                 results, _, attrs = calls[name]
-                yield f"{direction}:{name}@{label}", _kernel(tb._targets(p, direction, D, D)[name], results, attrs), args
+                yield f"{direction}:{name}@{label}", _kernel(p, tb._targets(p, direction, D, D)[name], results, attrs), args
 
 
-def _kernel(target, results, attrs):
-    """One program as a jitted call of its inputs."""
-    return jax.jit(lambda *a: tb._call(target, results, *a, **attrs))
-
-
-def _with_precision(fn, precision):
-    """`fn` jitted with `tilelang_backend.VJP_PRECISION` set to `precision` while it traces."""
-
-    def traced(*a):
-        saved, tb.VJP_PRECISION = tb.VJP_PRECISION, precision
-        try:
-            return fn(*a)
-        finally:
-            tb.VJP_PRECISION = saved
-
-    return jax.jit(traced)
+def _kernel(p, target, results, attrs):
+    """One program of call `p` as a jitted call of its inputs."""
+    return jax.jit(lambda *a: tb._call(p, target, results, *a, **attrs))
 
 
 def main(argv=None):

@@ -4,6 +4,7 @@ from fla_jax._backends import BackendStatus, BackendUnavailableError, FallbackWa
 from fla_jax._checks import check_cu_seqlens
 from fla_jax._explain import Explanation, explain
 from fla_jax.ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gla, chunk_simple_gla
+from fla_jax.tilelang_backend import Config as TileLangConfig
 from fla_jax.recurrent import (
     fused_recurrent_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -16,6 +17,7 @@ __all__ = [
     "BackendUnavailableError",
     "Explanation",
     "FallbackWarning",
+    "TileLangConfig",
     "backends",
     "check_cu_seqlens",
     "chunk_delta_rule",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -45,6 +46,11 @@ _PURE = {"reference": Backend("reference", reference.run), "xla": Backend("xla",
 TILELANG = Backend("tilelang", tilelang_backend.run, raw=True)
 
 
+def tilelang(config: tilelang_backend.Config | None = None) -> Backend:
+    """The tilelang backend running calls as `config` says (`fla_jax.TileLangConfig`; the default where None)."""
+    return TILELANG if config is None else Backend("tilelang", functools.partial(tilelang_backend.run, config=config), raw=True)
+
+
 def backends() -> dict[str, BackendStatus]:
     """Says which backends are usable here and, for each one that is not, why."""
     usable, reason = tilelang_backend.status()
@@ -56,20 +62,25 @@ def backends() -> dict[str, BackendStatus]:
 
 
 def _check_name(name) -> None:
+    if isinstance(name, tilelang_backend.Config):
+        return
     if not isinstance(name, str) or name not in NAMES:
-        raise ValueError(f"`backend` must be one of {NAMES}, got {name!r}")
+        raise ValueError(f"`backend` must be one of {NAMES} or a fla_jax.TileLangConfig, got {name!r}")
 
 
-def resolve(name: str, problem: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2norm: bool) -> Backend:
-    """The backend `name` for this call ("auto": the fastest usable one that takes it)."""
+def resolve(name, problem: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2norm: bool) -> Backend:
+    """The backend `name` for this call ("auto": the fastest usable one that takes it; a `TileLangConfig`:
+    the tilelang backend so configured)."""
     _check_name(name)
+    config = name if isinstance(name, tilelang_backend.Config) else None
+    name = "tilelang" if config is not None else name
     if name in _PURE:
         return _PURE[name]
     usable, reason = tilelang_backend.status()
     if usable:
         reason = tilelang_backend.unsupported(problem, K=K, V=V, varlen=varlen, grouped=grouped, l2norm=l2norm)
     if reason is None:
-        return TILELANG
+        return tilelang(config)
     if name == "auto":
         if usable:  # on a Hopper GPU with the kernels built, a call they do not take runs several times slower: say so
             warnings.warn(f"fla_jax: {problem.op} runs on the xla backend, not the TileLang kernels: {reason} "

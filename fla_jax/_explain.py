@@ -72,7 +72,7 @@ def explain(fn, *args, **kwargs) -> Explanation:
     here = here or tilelang_backend.unsupported(problem, **call)  # (this install's extension lacking a program)
     if plan["backend"] == "tilelang":
         reason = None
-    elif plan["asked"] != "auto":
+    elif not isinstance(plan["asked"], str) or plan["asked"] != "auto":
         reason = f"backend {plan['asked']!r} was asked for"
     else:
         reason = coverage or here
@@ -88,7 +88,8 @@ def _kernel_programs(plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The custom calls of the call's forward and of `value_and_grad` of a loss of its outputs on the
     tilelang backend, lowered for CUDA (any machine can: nothing runs)."""
     shapes = {n: x for n, x in plan["args"].items() if x is not None}
-    compute = lambda a: ops._compute(_backends.TILELANG, plan["problem"], plan["scale"], plan["call"]["l2norm"],
+    config = plan["asked"] if isinstance(plan["asked"], tilelang_backend.Config) else None
+    compute = lambda a: ops._compute(_backends.tilelang(config), plan["problem"], plan["scale"], plan["call"]["l2norm"],
                                      **{n: a.get(n) for n in plan["args"]})
     diff = {n: x for n, x in shapes.items() if n != "cu_seqlens"}
 

@@ -88,7 +88,7 @@ def chunk_simple_gla(
     output_final_state: bool = False,
     cu_seqlens: Array | None = None,
     chunk_size: int = 64,
-    backend: str = "auto",
+    backend: "str | TileLangConfig" = "auto",
 ) -> tuple[Array, Array | None]:
     """Simple GLA: linear attention with a scalar decay per head and step.
 
@@ -105,7 +105,8 @@ def chunk_simple_gla(
       cu_seqlens: int32 `[N + 1]` sequence boundaries for packed input (B must be 1); may be
         traced under `jit`, only its length is static.
       chunk_size: chunk length of the chunked backends, one of 16, 32, 64, 128.
-      backend: "auto", "reference", "xla" or "tilelang" (see `fla_jax.backends()`).
+      backend: "auto", "reference", "xla" or "tilelang" (see `fla_jax.backends()`), or a
+        `fla_jax.TileLangConfig`: the tilelang backend with other than its dispatched choices (tests, benchmarks).
 
     Returns:
       `o [B, T, H, V]` in q's dtype, and the final state (or None).
@@ -131,7 +132,7 @@ def chunk_gla(
     initial_state: Array | None = None,
     output_final_state: bool = False,
     cu_seqlens: Array | None = None,
-    backend: str = "auto",
+    backend: "str | TileLangConfig" = "auto",
 ) -> tuple[Array, Array | None]:
     """GLA: linear attention with a decay per key channel.
 
@@ -161,7 +162,7 @@ def chunk_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Array | None = None,
-    backend: str = "auto",
+    backend: "str | TileLangConfig" = "auto",
 ) -> tuple[Array, Array | None]:
     """Delta rule: `S = S + k_t (beta_t (v_t - S^T k_t))^T`.
 
@@ -196,7 +197,7 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Array | None = None,
-    backend: str = "auto",
+    backend: "str | TileLangConfig" = "auto",
     *,
     use_gate_in_kernel: bool = False,
     A_log: Array | None = None,

@@ -3,7 +3,7 @@
 
 Built so far: simple GLA (`kernels/simple_gla/`): forward (one pass, states kept on chip; under a
 gradient it also stores the state before each chunk; without one, where the pass's programs would
-leave SMs idle, in pieces of each sequence at once, `SPLIT_PROGRAMS`) and backward (reverse state-gradient pass, one
+leave SMs idle, in pieces of each sequence at once, `Config.split_programs`) and backward (reverse state-gradient pass, one
 fused dq/dk/dv/dg consumer), bf16/fp16 inputs, K = V in {64, 128, 256}, dense batches and
 `cu_seqlens`. GLA (`kernels/gla/`): the intra-chunk matrix A (chunk-wide on the tensor cores where
 the chunk's gate range allows, else by sub-chunks) and the gates' in-chunk cumulative sums, a
@@ -11,9 +11,9 @@ forward state pass reading them, and the backward as simple GLA's (reverse state
 fused consumer that also takes the reverse cumulative sum of dg), with gates per key channel. The delta rules and GDN (`kernels/delta/`): WY preparation, forward state pass and
 reverse state-gradient pass (which also stores the gradient of v_new) as kernels, and the
 backward's chunk-parallel parts by two more kernels
-(switches `DELTA_FUSED_BWD` and `DELTA_WY_BWD_KERNEL`; switched off, JAX VJPs do them), at K = 128 by
-one (`DELTA_GRADS_KERNEL`), and
-`use_qk_l2norm_in_kernel` inside the kernels where `DELTA_L2NORM_FUSED` (the forward's inverse or
+(`Config.delta_fused_bwd`, `delta_wy_bwd_kernel`; switched off, JAX VJPs do them), at K = 128 by
+one (`delta_grads_kernel`), and
+`use_qk_l2norm_in_kernel` inside the kernels where `delta_l2norm_fused` (the forward's inverse or
 WY kernel normalises q and k, the backward's consumer and WY VJP take its gradient), else by a
 normalisation kernel each way.
 Everything else answers `unsupported(...)` with the reason, and "auto" falls back to `xla`.
@@ -21,6 +21,7 @@ Everything else answers `unsupported(...)` with the reason, and "auto" falls bac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,100 +52,87 @@ if _ext is not None:
 from fla_jax._variants import HEAD_DIMS, find as _find_variant
 
 
-# The delta-rule backward's per-chunk part by the simple GLA consumer kernel on v_new
-# (`chunk_bwd_dqkvg(delta=True)`) instead of JAX's VJP of `_delta_local` (2.84 ms in XLA against
-# 0.58 for the kernel at 4,4096,16,128 bf16 on an H200). Tests run both settings.
-DELTA_FUSED_BWD = True
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """How the kernels run a call: the dispatched choices by default; alternatives for tests and benchmarks.
+    Passed explicitly, `chunk_gla(..., backend=fla_jax.TileLangConfig(...))` (the tilelang backend with this
+    configuration), and part of what the op traces and caches, so a compiled function cannot disagree with it.
+    Measurements behind the defaults: benchmarks/RESULTS.md and git history."""
 
-# The WY preparation's VJP by a kernel (`kernels/delta/wy.py` `chunk_delta_wy_bwd`) instead of
-# `_wy_vjp` in XLA (1.71 ms against 0.54 at the same shape). Tests run both settings.
-DELTA_WY_BWD_KERNEL = True
+    # The delta rules' backward after the reverse pass: the per-chunk part by the simple GLA consumer kernel on
+    # v_new (`chunk_bwd_dqkvg(delta=True)`), and the WY preparation's VJP by a kernel
+    # (`kernels/delta/wy.py` `chunk_delta_wy_bwd`), each instead of JAX's VJP in XLA (several times slower).
+    delta_fused_bwd: bool = True
+    delta_wy_bwd_kernel: bool = True
+    # The head dims at which the consumer and the WY VJP run as one program (`kernels/delta/grads.py`, built at
+    # K <= 128; with both switches above): h, k and dk read or formed once, three warpgroups handing each other
+    # their products through shared memory, one program per SM. Not at K = 64, where the two programs each run
+    # several programs to an SM and the fused one runs one, and measured slower.
+    delta_grads_kernel: tuple[int, ...] = (128,)
+    # The gates' in-chunk cumulative sums (and their VJP) in XLA as one float32 product with a triangle of
+    # ones (`_in_chunk_cumsum`), the per-chunk rows loaded by TMA (`g_rows`) straight from it, instead of
+    # XLA's scan and a transpose. Off: it saved ~1.5 us a call, within the ops' spread.
+    gate_sum_dot: bool = False
+    # The head dims at which the delta rules' forward with no gradient runs from the gate-free inverse T0
+    # (`chunk_delta_wy(inverse_only=True)`, program `inv`) and `chunk_delta_fwd_t` (`fused_t`, which forms
+    # v_new = Ag (v - exp(G) k S) on chip), instead of the WY kernel's w and u (jla's forward).
+    delta_fwd_inverse: tuple[int, ...] = (64, 128, 256)
+    # The forward from the inverse where few sequences and heads leave SMs idle: where its state pass's
+    # programs (one per V block of 64, sequence and value head) number at most half this (the H200's SMs),
+    # V blocks of 32 (`fused_t_v32`, `fused_t_l2_v32`: twice the programs). 0 switches it off.
+    delta_narrow_programs: int = 132
+    # use_qk_l2norm_in_kernel folded into the kernels: under a gradient the normalisation's gradient in the
+    # backward's consumer (`dqkvg_l2`, K <= 128) and WY VJP (`wy_bwd_l2`) instead of a `norm_bwd` pass per
+    # tensor, the normalisation in the WY kernel (`wy_t_l2`) instead of a `norm` pass per tensor; without a
+    # gradient, from the inverse, in `inv_l2` and `fused_t_l2` instead of XLA's pass before them.
+    delta_l2norm_fused: bool = True
+    # Simple GLA's forward with no gradient on dense input: where the state pass's programs (one per V block,
+    # sequence and head) number at most half `split_programs`, each sequence is walked in 2, 4, ... pieces at
+    # once (of at least `split_min_chunks` chunks), every piece but the first from a zero state; XLA carries
+    # the pieces' final states into the states entering them, and `chunk_fwd_enter` adds their part to the
+    # later pieces' output in place. 0 switches it off.
+    split_programs: int = 132
+    split_min_chunks: int = 8
+    # Calls with no initial state: the forward state passes get `h0` with no rows and start from zeros
+    # themselves (`kernels.common.initial_state`), so XLA writes no `[N, H, K, V]` zeros for them; likewise
+    # the reverse passes where the loss takes no final state (`dht` with no rows), and with no initial state
+    # they write no `dh0` (`kernels.common.final_state`). XLA's zeros when off.
+    zero_row_h0: bool = True
+    zero_row_dht: bool = True
+    # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`, with the
+    # switches above off): three bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32).
+    vjp_precision: jax.lax.DotAlgorithmPreset | jax.lax.Precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+    # Tests: every kernel writes into NaN-filled buffers (`_call`), so an output element that a kernel
+    # leaves unwritten shows up as NaN.
+    poison_outputs: bool = False
+    # Built experiments in place of dispatched programs (`benchmarks/bench.py --experiments`, tests):
+    # ((op, direction, program name), experiment name) pairs; where a variant has no such experiment its
+    # own program runs. Empty: the dispatched programs only.
+    experiments: tuple[tuple[tuple[str, str, str], str], ...] = ()
 
-# The head dims at which the delta rules' consumer and WY VJP run as one program (`kernels/delta/grads.py`,
-# `grads` / `grads_l2`, built at K <= 128; with DELTA_FUSED_BWD and DELTA_WY_BWD_KERNEL): the chunk's
-# state h, k and the consumer's dk read or formed once (≈1000 MB against 1270 at 4,4096,16,128 bf16),
-# three warpgroups handing each other their products through shared memory, one program per SM.
-# `grads_l2` 0.3725 ms against `dqkvg_l2` + `wy_bwd_l2` 0.2822 + 0.3257 at 4,4096,16,128 (0.3724
-# against 0.2828 + 0.3255 at 2,8192,16,128), GDN's training step 1.315 -> 1.087 ms there (jla 1.305),
-# 1.477 -> 1.259 at 2,8192,16,128 (jla 1.525; bf16, H100, 2026-12-05). At K = 64 slower (0.2799 against
-# 0.1057 + 0.1630 at 8,2048,16,64; the step 0.667 against 0.654), where the consumer and the WY VJP each
-# run several programs to an SM and the one program runs one: not there. Tests run both settings.
-DELTA_GRADS_KERNEL: tuple[int, ...] = (128,)
+    def overrides(self) -> dict[tuple[str, str, str], str]:
+        return dict(self.experiments)
 
-# The gates' in-chunk cumulative sums (and their VJP, the reverse sums) in XLA as one float32 matrix
-# product with a triangle of ones (`_in_chunk_cumsum`), the per-chunk rows that the programs load by TMA
-# (`g_rows`) straight from it (the product's natural layout), instead of XLA's scan (2.6 + 1.3 + 0.5 µs
-# in three launches at 4,4096,16,128 on an H100) and a transpose to rows (2.1 µs). Full float32
-# (`Precision.HIGHEST`: no TF32); the sums in another order than the scan's. Off: measured on an H100
-# (2026-12-06) it saves ~1.5 µs of device time a call (simple GLA's forward 100.6 -> 98.9 µs, GDN's
-# training step's glue 20.6 -> 19.2 at 4,4096,16,128), the ops within their spread (training steps
-# ±1 %; forwards 0.95-1.07x). Tests run both settings.
-GATE_SUM_DOT = False
 
-# The delta rules' forward with no gradient (the `fwd` direction) from the gate-free inverse T0
-# (`chunk_delta_wy(inverse_only=True)`, program `inv`) and `chunk_delta_fwd_t` (`fused_t`), which
-# forms v_new = Ag (v - exp(G) k S) on chip, instead of the WY kernel's w and u (jla's forward).
-# GDN op forward 0.381 / 0.574 / 0.505 / 0.238 ms against 0.430 / 0.559 / 0.655 / 0.261 through w
-# and u at 4,4096,16,128 / 2,8192,16,128 / 4,4096,8,256 / 8,2048,16,64 bf16 (H200, 2026-12-03;
-# kernels inv + fused_t 0.108 + 0.221 against wy + fused 0.191 + 0.192 at the first); since
-# 2026-12-04 (fused_t carrying S^T, inv's loads 16 bytes wide) 0.328 / 0.446 / 0.495 / 0.214, kernels
-# inv + fused_t 0.078 + 0.159 at the first (ten launches a sample). At K = 256 since 2026-12-05 too,
-# where `fused_t` is `chunk_delta_fwd_t_wide` (two load stages, single published tiles: jla's
-# `fused_fwd_kb`): inv_l2 + fused_t_l2 0.072 + 0.190 against norm x 2 + wy + fused 0.087 + 0.117 +
-# 0.200 ms at 4,4096,8,256, 0.072 + 0.364 against 0.088 + 0.120 + 0.371 at 2,8192,8,256; GDN op
-# forward 0.298 against 0.410 (jla 0.299; bf16, H200). (Its one-stage predecessor lost to the WY
-# path there: inv + fused_t 0.052 + 0.359 against wy + fused 0.119 + 0.215, 2026-12-04.) Tests run
-# both paths at every K (all of `HEAD_DIMS`, and none).
-DELTA_FWD_INVERSE: tuple[int, ...] = (64, 128, 256)
+DEFAULT = Config()
 
-# The forward from the inverse where few sequences and heads leave SMs idle: where its state pass's
-# programs (one per V block of 64, sequence and value head) number at most half this (the H200's
-# SMs), V blocks of 32 (`fused_t_v32`, `fused_t_l2_v32`: twice the programs, warpgroup 0 carrying S
-# rather than S^T). With use_qk_l2norm_in_kernel 0.238 against 0.263 ms at 2,8192,16,128 bf16 (32
-# sequence-heads), GDN op forward 0.365 against 0.386 / 0.391 ms (jla 0.357; H200, 2026-12-04). 0
-# switches it off. Tests run both.
-DELTA_NARROW_PROGRAMS = 132
 
-# use_qk_l2norm_in_kernel folded into the kernels: under a gradient the normalisation's gradient in
-# the backward's consumer (dq; `dqkvg_l2`, at K <= 128) and WY VJP (dk; `wy_bwd_l2`) instead of a
-# `norm_bwd` pass per tensor after them (GDN fwd+bwd 1.375 -> 1.320 ms at 4,4096,16,128 bf16, H200,
-# 2026-12-04), and the normalisation itself in the WY kernel (`wy_t_l2`, at K <= 128: y and 1 / |x|
-# written for the passes after it) instead of a `norm` pass per tensor before it; without one,
-# where the forward is the inverse's (DELTA_FWD_INVERSE), the normalisation itself in `inv_l2` and
-# `fused_t_l2` (no normalised copy of q and k) instead of XLA's pass before them. Tests run both
-# settings.
-DELTA_L2NORM_FUSED = True
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Configured(Problem):
+    """A call as this backend runs it: the `Problem` and the `Config` (hashable: the custom VJP's static
+    argument and the partitioned functions' cache key)."""
 
-# Simple GLA's forward with no gradient on dense input: the state pass runs one program per (V
-# block, sequence, head), its chunks in order, so few sequences and heads leave SMs idle however
-# long the sequences are. Where those programs number at most half this (the H200's SMs), each
-# sequence is walked in 2, 4, ... pieces at once (pieces of at least SPLIT_MIN_CHUNKS chunks),
-# every piece but the first from a zero state; XLA carries the pieces' final states into the states
-# entering them (a scan over the pieces), and `chunk_fwd_enter` adds their part to the later pieces'
-# output in place (scalar gates: `o += scale exp(D + G) q S_in`, D the decay of the piece's chunks
-# before). Op forward 0.212 -> 0.172 ms at 2,8192,16,128 bf16 (two pieces; H200, 2026-12-04). 0
-# switches it off.
-SPLIT_PROGRAMS = 132
-SPLIT_MIN_CHUNKS = 8
+    cfg: Config = DEFAULT
 
-# Calls with no initial state: the forward state passes get `h0` with no rows and start from zeros
-# themselves (`kernels.common.initial_state`), so that XLA writes no `[N, H, K, V]` zeros for them
-# (1.9 us and a launch at 4,4096,16,128); XLA's zeros when off. On since 2026-12-05 (the GPU tests,
-# `test_tilelang_without_initial_state`, passed on an H100).
-ZERO_ROW_H0 = True
-# Likewise the reverse passes: where the loss takes no final state (its cotangent a symbolic zero) they
-# get `dht` with no rows and start from zeros, and where the call has no initial state they write no
-# `dh0` (`kernels.common.final_state`): XLA's `[N, H, K, V]` zeros in every training step that uses o
-# alone go. On since 2026-12-05 (the same tests).
-ZERO_ROW_DHT = True
 
-# Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`): three
-# bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32). Benchmarks compare others.
-VJP_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+def _cfg(p: Problem) -> Config:
+    """The configuration of a call (the default for a bare `Problem`)."""
+    return p.cfg if isinstance(p, Configured) else DEFAULT
 
-# Test hook: when True, every kernel writes into NaN-filled buffers (see `_call`), so an output
-# element that a kernel leaves unwritten shows up as NaN.
-POISON_OUTPUTS = False
+
+def configured(p: Problem, cfg: Config | None = None) -> Configured:
+    """`p` with the configuration `cfg` (the default where None)."""
+    return Configured(op=p.op, delta=p.delta, chunk_size=p.chunk_size, dtype=p.dtype, cfg=cfg or DEFAULT)
 
 
 def registered() -> list[str]:
@@ -152,12 +140,12 @@ def registered() -> list[str]:
     return [] if _ext is None else sorted(n for n in _ext.registrations() if not n.endswith("_aliased"))
 
 
-def _call(target: str, results, *args, init=None, **attrs):
-    """`ffi_call` of one kernel program; with POISON_OUTPUTS its outputs start as NaN. `init`: the
-    outputs' contents before the call, for a program that updates them in place (never poisoned)."""
+def _call(p: Problem, target: str, results, *args, init=None, **attrs):
+    """`ffi_call` of one kernel program of call `p`; with its `Config.poison_outputs` its outputs start as NaN.
+    `init`: the outputs' contents before the call, for a program that updates them in place (never poisoned)."""
     single = not isinstance(results, tuple)
     results = (results,) if single else results
-    if POISON_OUTPUTS or init is not None:
+    if _cfg(p).poison_outputs or init is not None:
         init = init or [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
         aliases = {len(args) + i: i for i in range(len(results))}
         out = jax.ffi.ffi_call(f"{target}_aliased", results, vmap_method="sequential", input_output_aliases=aliases)(
@@ -204,8 +192,8 @@ def unsupported(p: Problem, *, K: int, V: int, varlen: bool, grouped: bool, l2no
     return None
 
 
-def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: bool = False):
-    """Raw inputs (q, k, v in their dtype, not scaled, not normalised), as `_compute` hands them
+def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: bool = False, config: Config | None = None):
+    """`config`: how the kernels run it (`Config`; the default where None). Raw inputs (q, k, v in their dtype, not scaled, not normalised), as `_compute` hands them
     to this backend; `h0` None where the call has no initial state (the kernels then start from
     zero states, and XLA writes none for them).
 
@@ -213,6 +201,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     out in chunk rows as for the xla backend (`fla_jax._layout`: every sequence starts at a chunk
     boundary, zeros in padding slots). The gates go in per step: the in-chunk cumulative sum is
     taken inside the op (`_op`), by XLA or by the kernel that reads them (`g_scan`)."""
+    p = configured(p, config)
     T = q.shape[1]
     C = p.chunk_size
     t = tiling(p, q.shape[-1], v.shape[-1])
@@ -238,11 +227,11 @@ def tiling(p: Problem, K: int, V: int) -> _tiling.Tiling:
     return t
 
 
-def _in_chunk_cumsum(g, C: int, reverse: bool = False):
+def _in_chunk_cumsum(p: Problem, g, C: int, reverse: bool = False):
     """The cumulative sum of the per-step gates within each chunk of `C` rows (axis 1 of chunk rows
     `[B, NT * C, H]`, or axis 0 of flat ones `[NT * C, H]`); `reverse`: from each chunk's end (the
-    sum's VJP). Under GATE_SUM_DOT a matrix product (`_in_chunk_rows`)."""
-    if GATE_SUM_DOT:
+    sum's VJP). Under `Config.gate_sum_dot` a matrix product (`_in_chunk_rows`)."""
+    if _cfg(p).gate_sum_dot:
         return jnp.swapaxes(_in_chunk_rows(g, C, reverse), -1, -2).reshape(g.shape)
     axis = 1 if g.ndim == 3 else 0
     x = g.reshape(*g.shape[:axis], -1, C, *g.shape[axis + 1 :])
@@ -262,13 +251,13 @@ def _in_chunk_rows(g, C: int, reverse: bool = False):
 
 
 # ----------------------------------------------------------------------------- use_qk_l2norm_in_kernel
-# Inside the op's custom VJP, on the chunk rows. Where DELTA_L2NORM_FUSED (at K <= 128) the kernels
+# Inside the op's custom VJP, on the chunk rows. Where `Config.delta_l2norm_fused` (at K <= 128) the kernels
 # normalise q and k themselves: without a gradient `inv_l2` and `fused_t_l2`, under one the WY
 # kernel `wy_t_l2` (`_folds_l2norm`, `_folds_l2norm_h`). Elsewhere, without a gradient XLA's fused
 # pass (the faster there: GDN forward 0.610 against 0.652 ms with the kernel, 4,4096,16,128, H200,
 # 2026-12-03); under one a kernel per tensor (`norm`), which also keeps 1 / |x| for the backward (XLA
 # took two passes per tensor there). The backward folds the normalisation's gradient into its
-# consumer and WY VJP (`DELTA_L2NORM_FUSED`), or runs `norm_bwd` per tensor after them.
+# consumer and WY VJP (`delta_l2norm_fused`), or runs `norm_bwd` per tensor after them.
 
 
 @functools.cache
@@ -280,14 +269,14 @@ def _norm_forward(p: Problem, q, k):
     """`(q / |q|, k / |k|, 1 / |q|, 1 / |k|)`, the norms' reciprocals in float32 `[B, T, H]`."""
     target = _targets(p, "fwd", q.shape[-1], q.shape[-1])["norm"]
     rows = lambda x: x.reshape(-1, *x.shape[2:])
-    (qn, rq), (kn, rk) = (_call(target, (_like(rows(x)), jax.ShapeDtypeStruct(rows(x).shape[:2], jnp.float32)), rows(x)) for x in (q, k))
+    (qn, rq), (kn, rk) = (_call(p, target, (_like(rows(x)), jax.ShapeDtypeStruct(rows(x).shape[:2], jnp.float32)), rows(x)) for x in (q, k))
     return qn.reshape(q.shape), kn.reshape(k.shape), rq.reshape(q.shape[:3]), rk.reshape(k.shape[:3])
 
 
 def _norm_backward(p: Problem, y, r, dy):
     """The raw x's gradient from the normalised `y [L, H, K]`, `r = 1 / |x|` `[L, H]` and the
     gradient of y."""
-    return _call(_targets(p, "bwd", y.shape[-1], y.shape[-1])["norm_bwd"], _like(y), y, r, dy)
+    return _call(p, _targets(p, "bwd", y.shape[-1], y.shape[-1])["norm_bwd"], _like(y), y, r, dy)
 
 
 # Per-token arrays handed to the kernels' Python side (the delta rules add beta), with the axis
@@ -303,15 +292,9 @@ def _stored_layouts(p: Problem) -> tuple[str, ...]:
     return ("bthk", "bthv", "bchkv", "bthv") if p.delta else ("bchkv", "bthk", "bthk") if p.op == "gla" else ()
 
 
-# Programs replaced by built experiments, for measuring them inside the ops (benchmarks/bench.py
-# --experiments): {(op, direction, program name): experiment name}; where a variant has no such
-# experiment its own program runs. Empty: the dispatched programs only.
-EXPERIMENT_OVERRIDES: dict[tuple[str, str, str], str] = {}
-
-
 def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     """{program name: FFI target} of one variant, each kind's the program that runs (`_program`):
-    also a kind that only an experiment put in place by `EXPERIMENT_OVERRIDES` provides there."""
+    also a kind that only an experiment put in place by `Config.experiments` provides there."""
     variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, V)
     kinds = [prog.name for prog in variant.programs]
     kinds += [prog.of for prog in variant.experiments if prog.of not in kinds and _chosen(p, direction, prog)]
@@ -320,13 +303,13 @@ def _targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
 
 
 def _chosen(p: Problem, direction: str, prog) -> bool:
-    """Whether `EXPERIMENT_OVERRIDES` puts experiment `prog` in its kind's place."""
-    return EXPERIMENT_OVERRIDES.get(("delta" if p.delta else p.op, direction, prog.of)) == prog.name
+    """Whether `Config.experiments` puts experiment `prog` in its kind's place."""
+    return _cfg(p).overrides().get(("delta" if p.delta else p.op, direction, prog.of)) == prog.name
 
 
 def _program(p: Problem, direction: str, K: int, name: str):
     """The `fla_jax._variants.Program` of one kind that runs: the dispatched one, or the experiment
-    that `EXPERIMENT_OVERRIDES` puts in its place (its config decides how its inputs are laid out)."""
+    that `Config.experiments` puts in its place (its config decides how its inputs are laid out)."""
     variant = _find_variant("delta" if p.delta else p.op, direction, p.dtype, K, K)
     chosen = next((prog for prog in variant.experiments if prog.of == name and _chosen(p, direction, prog)), None)
     return chosen or next(prog for prog in variant.programs if prog.name == name)
@@ -386,7 +369,7 @@ def _consumer(p: Problem, target: str, results, *args, scale):
     if parts > 1:
         split = lambda r: jax.ShapeDtypeStruct((parts, *r.shape), jnp.float32)
         results = (*results[:2], *(split(r) for r in results[2:-1]), results[-1] if p.op == "gla" else split(results[-1]))
-    out = _call(target, results, *args, scale=scale)
+    out = _call(p, target, results, *args, scale=scale)
     if parts > 1:  # dv rounded once, as the unsplit program writes it
         out = (*out[:2], *(x.sum(axis=0).astype(r.dtype) for x, r in zip(out[2:-1], results[2:-1])),
                out[-1] if p.op == "gla" else out[-1].sum(axis=0))
@@ -420,6 +403,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     varlen tables. `l2norm`: q and k raw, normalised by the kernels (the forward from the inverse,
     `_folds_l2norm`; under a gradient the WY kernel `wy_t_l2`, `_folds_l2norm_h`, and then the
     normalised q, k and their `1 / |x|` follow wy among the results)."""
+    cfg = _cfg(p)
     n = len(_token_layouts(p))
     tokens, h0, tables = arrays[:n], arrays[n] if has_h0 else None, arrays[n + has_h0 :]
     C = p.chunk_size
@@ -429,29 +413,29 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     HV, V = vf.shape[1:]
     state = jax.ShapeDtypeStruct((cstart.shape[0], HV, K, V), jnp.float32)  # ht
     if h0 is None:  # no rows: the kernels start from zero states (`kernels.common.initial_state`)
-        h0 = jnp.zeros((0 if ZERO_ROW_H0 else cstart.shape[0], HV, K, V), jnp.float32)
+        h0 = jnp.zeros((0 if cfg.zero_row_h0 else cstart.shape[0], HV, K, V), jnp.float32)
     graw = Gf  # the gates per step: their in-chunk sums by XLA where a kernel takes those
     # (under a gradient the delta rules' WY kernel may sum them and write G and its rows, `g_scan`)
     wy_scan = store_h and p.delta and _config(p, "fwd", K, _wy_name(store_h, l2norm)).get("g_scan", False)
-    rows0 = None  # G's per-chunk rows straight from XLA's product (GATE_SUM_DOT; the same product as Gf's)
+    rows0 = None  # G's per-chunk rows straight from XLA's product (`gate_sum_dot`; the same product as Gf's)
     if p.op != "gla" and not wy_scan:
-        Gf = _in_chunk_cumsum(graw, C)
-        rows0 = _in_chunk_rows(graw, C) if GATE_SUM_DOT else None
+        Gf = _in_chunk_cumsum(p, graw, C)
+        rows0 = _in_chunk_rows(graw, C) if cfg.gate_sum_dot else None
     gate_rows = lambda: _gate_rows(Gf, C) if rows0 is None else rows0
     dt = qf.dtype
     NT = qf.shape[0] // C
     wy, grows = (), rows0  # (G's rows where formed: for the programs that load them, and the backward's)
-    if p.delta and K in DELTA_FWD_INVERSE and not store_h:  # T0, and a state pass that forms v_new from it
+    if p.delta and K in cfg.delta_fwd_inverse and not store_h:  # T0, and a state pass that forms v_new from it
         targets = _targets(p, "fwd", K, V)
         t0 = jax.ShapeDtypeStruct((NT, HV, C, C), dt)
         rows = lambda R: jax.ShapeDtypeStruct((NT, HV, R, C), jnp.float32)
         inv = "inv_l2" if l2norm else "inv"
         gates = graw if _config(p, "fwd", K, inv).get("g_scan") else Gf  # (summed by the kernel, or by XLA)
         if l2norm:  # G, beta, 1 / |q|, 1 / |k| per chunk and value head, rows that the state pass loads
-            t0, gr = _call(targets[inv], (t0, rows(4)), qf, kf, gates, flat[4])
+            t0, gr = _call(p, targets[inv], (t0, rows(4)), qf, kf, gates, flat[4])
         else:  # G and beta
-            t0, gr = _call(targets[inv], (t0, rows(2)), kf, gates, flat[4])
-        o, ht = _call(targets[_state_pass_t(targets, l2norm, cstart.shape[0], HV, V)], (_like(vf), state), qf, kf, vf, t0, gr,
+            t0, gr = _call(p, targets[inv], (t0, rows(2)), kf, gates, flat[4])
+        o, ht = _call(p, targets[_state_pass_t(cfg, targets, l2norm, cstart.shape[0], HV, V)], (_like(vf), state), qf, kf, vf, t0, gr,
                       h0, cstart, ccount, scale=np.float32(scale))
         return o.reshape(B, Lr, HV, V), ht
     assert not l2norm or store_h, "the forward with no gradient normalises q and k itself only from the inverse"
@@ -467,9 +451,9 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         gates = (graw if wy_scan else _gates_for(p, "fwd", K, wy_name, Gf, C, grows), *_steps_for(p, "fwd", K, wy_name, C, flat[4]))
         if l2norm:  # (`wy_t_l2`) from the raw q and k; their normalised y and 1 / |x| for the passes after it
             r = jax.ShapeDtypeStruct(qf.shape[:2], jnp.float32)
-            wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, _like(qf), _like(kf), r, r, *sum_shapes), qf, kf, vf, *gates)
+            wy = _call(p, wy_target, (_like(kf, dt, HV), _like(vf), *tm, _like(qf), _like(kf), r, r, *sum_shapes), qf, kf, vf, *gates)
         else:
-            wy = _call(wy_target, (_like(kf, dt, HV), _like(vf), *tm, *sum_shapes), kf, vf, *gates)
+            wy = _call(p, wy_target, (_like(kf, dt, HV), _like(vf), *tm, *sum_shapes), kf, vf, *gates)
         if wy_scan:
             wy, (Gf, grows) = wy[:-2], wy[-2:]
         if l2norm:
@@ -482,7 +466,7 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         rows = lambda x, per_chunk: x.reshape(B, (NT if per_chunk else NT * C) // B, *x.shape[1:])
         wy = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if store_h else ()
     elif p.op == "gla":  # the intra-chunk matrix, G (both kept) and q exp(G), k exp(G_C - G) for the state pass
-        a, Gf, qg, kg = _call(_targets(p, "fwd", K, V)["a"], (jax.ShapeDtypeStruct((NT, HV, C, C), dt), _like(Gf), _like(qf),
+        a, Gf, qg, kg = _call(p, _targets(p, "fwd", K, V)["a"], (jax.ShapeDtypeStruct((NT, HV, C, C), dt), _like(Gf), _like(qf),
                               _like(kf)), qf, kf, Gf, scale=np.float32(scale))
         ins, extra = (qg, kg, vf, Gf, a), ()
         wy = (a.reshape(B, NT // B, *a.shape[1:]), Gf.reshape(B, Lr, *Gf.shape[1:]), qg.reshape(B, Lr, *qg.shape[1:])) if store_h else ()
@@ -493,12 +477,12 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
         if store_rows:  # (for this pass and the backward's)
             grows = gate_rows()
         ins, extra = (qf, kf, vf, graw if scan else _gates_for(p, "fwd", K, name, Gf, C, grows)), ()
-        pieces = 1 if store_h or tables else _pieces(B, HV, V, NT // B)
+        pieces = 1 if store_h or tables else _pieces(cfg, B, HV, V, NT // B)
         if pieces > 1:
-            return _split_forward(pieces, scale, _targets(p, "fwd", K, V), ins, h0, gate_rows(), B, C)
+            return _split_forward(p, pieces, scale, _targets(p, "fwd", K, V), ins, h0, gate_rows(), B, C)
     h = (jax.ShapeDtypeStruct((NT, HV, K, V), dt),) if store_h else ()
     out = _call(
-        _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
+        p, _targets(p, "fwd", K, V)["fused_h" if store_h else "fused"],
         (_like(vf), *extra, *h, state), *ins, h0, cstart, ccount, scale=np.float32(scale),
     )
     h = tuple(x.reshape(B, NT // B, *x.shape[1:]) for x in out[1 + len(extra) : -1])
@@ -510,12 +494,12 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     return (out[0].reshape(B, Lr, HV, V), *h, *wy, *norms, *sums, out[-1])
 
 
-def _state_pass_t(targets: dict, l2norm: bool, N: int, HV: int, V: int) -> str:
+def _state_pass_t(cfg: Config, targets: dict, l2norm: bool, N: int, HV: int, V: int) -> str:
     """The forward from the inverse: its state pass's program for N sequences, HV value heads
-    (DELTA_NARROW_PROGRAMS)."""
+    (`Config.delta_narrow_programs`)."""
     name = "fused_t_l2" if l2norm else "fused_t"
     narrow = f"{name}_v32"
-    return narrow if narrow in targets and 2 * _state_programs(N, HV, V) <= DELTA_NARROW_PROGRAMS else name
+    return narrow if narrow in targets and 2 * _state_programs(N, HV, V) <= cfg.delta_narrow_programs else name
 
 
 def _state_programs(N: int, H: int, V: int) -> int:
@@ -523,16 +507,16 @@ def _state_programs(N: int, H: int, V: int) -> int:
     return N * H * max(1, V // 64)
 
 
-def _pieces(B: int, H: int, V: int, nt: int) -> int:
+def _pieces(cfg: Config, B: int, H: int, V: int, nt: int) -> int:
     """In how many pieces the forward's state pass walks each of B sequences of nt chunks
-    (`SPLIT_PROGRAMS`): a power of two dividing nt."""
+    (`Config.split_programs`): a power of two dividing nt."""
     programs, pieces = _state_programs(B, H, V), 1
-    while programs * pieces * 2 <= SPLIT_PROGRAMS and nt % (pieces * 2) == 0 and nt // (pieces * 2) >= SPLIT_MIN_CHUNKS:
+    while programs * pieces * 2 <= cfg.split_programs and nt % (pieces * 2) == 0 and nt // (pieces * 2) >= cfg.split_min_chunks:
         pieces *= 2
     return pieces
 
 
-def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, rows, B: int, C: int):
+def _split_forward(p: Problem, pieces: int, scale: float, targets: dict, ins, h0, rows, B: int, C: int):
     """Simple GLA's `(o, ht)` (dense, no gradient) with each sequence's chunks walked in `pieces`
     pieces at once by the state pass (`fused`, as `pieces * B` sequences, the first piece from h0,
     the others from zero states); then `enter` adds what the states entering the later pieces
@@ -547,7 +531,7 @@ def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, rows, B: i
     first = (ar(B)[:, None] * nt + ar(pieces)[None] * m).reshape(-1)
     h0s = h0 if not h0.shape[0] else jnp.zeros((B, pieces, *h0.shape[1:]), jnp.float32).at[:, 0].set(h0).reshape(-1, *h0.shape[1:])
     s = np.float32(scale)
-    o, ht = _call(targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), jax.ShapeDtypeStruct((B * pieces, H, K, V), jnp.float32)),
+    o, ht = _call(p, targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), jax.ShapeDtypeStruct((B * pieces, H, K, V), jnp.float32)),
                   *ins, h0s, first, jnp.full_like(first, m), scale=s)
     chunk = rows[:, :, -1].reshape(B, pieces, m, H)  # a chunk's whole decay
     ht = ht.reshape(B, pieces, H, K, V)
@@ -557,22 +541,20 @@ def _split_forward(pieces: int, scale: float, targets: dict, ins, h0, rows, B: i
         S = jnp.exp(chunk[:, i].sum(1))[..., None, None] * S + ht[:, i]
     enter = jnp.stack(enter[1:], axis=1).reshape(-1, H, K, V).astype(q.dtype)  # [B (P - 1), H, K, V], as the pass takes S
     d = (jnp.cumsum(chunk[:, 1:], axis=2) - chunk[:, 1:]).reshape(-1, m, H)  # decay of the piece's chunks before
-    o = _call(targets["enter"], _like(o), q, rows, d, enter, first.reshape(B, pieces)[:, 1:].reshape(-1), scale=s, init=(o,))
+    o = _call(p, targets["enter"], _like(o), q, rows, d, enter, first.reshape(B, pieces)[:, 1:].reshape(-1), scale=s, init=(o,))
     return o.reshape(B, nt * C, H, V), S
 
 
-def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: bool, store_rows: bool, has_dht: bool, *arrays):
+def _backward(p: Problem, scale: float, l2norm: bool, has_h0: bool, store_rows: bool, has_dht: bool, *arrays):
     """Gradients of the token arrays (the gates' per step) and of h0, from (token arrays, h, *wy,
     *norms, G's rows where `store_rows`, tables, do, dht where `has_dht`: none where the loss takes
     no final state); wy as `_forward` stores it (delta rules and GLA), the token arrays with the
     gates' in-chunk sums G in place of the gates (but GLA's); with `l2norm` they hold the
     normalised q and k, `norms` their `1 / |x|` (`[B, T, H]` float32), and the gradients are the
-    raw q's and k's. `switches`: DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE (read by
-    `_forward`), DELTA_L2NORM_FUSED and the experiment overrides (read by `_targets` while this traces),
-    last DELTA_GRADS_KERNEL.
+    raw q's and k's; the call's `Config` says which programs run.
     h0's gradient only where `has_h0`."""
-    fused, wy_kernel, _, norm_fused = switches[:4]
-    grads_kernel = switches[-1]
+    cfg = _cfg(p)
+    fused, wy_kernel, norm_fused, grads_kernel = cfg.delta_fused_bwd, cfg.delta_wy_bwd_kernel, cfg.delta_l2norm_fused, cfg.delta_grads_kernel
     n = len(_token_layouts(p))
     m = n + 1 + len(_stored_layouts(p)) + (2 if l2norm else 0) + store_rows
     ct = 1 + has_dht  # (do, and dht where the loss takes the final state)
@@ -589,23 +571,23 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     s = np.float32(scale)
     bwd = _targets(p, "bwd", K, V)
     N, state = cstart.shape[0], hf.shape[1:]
-    # none: the reverse passes start from zero states (no rows under ZERO_ROW_DHT) and (with no h0 either)
+    # none: the reverse passes start from zero states (no rows under `zero_row_dht`) and (with no h0 either)
     # write no dh0 (`kernels.common.initial_state`, `final_state`)
-    dht = dht[0].astype(jnp.float32) if has_dht else jnp.zeros((0 if ZERO_ROW_DHT else N, *state), jnp.float32)
-    dh0_like = jax.ShapeDtypeStruct((0 if ZERO_ROW_DHT and not has_h0 else N, *state), jnp.float32)
+    dht = dht[0].astype(jnp.float32) if has_dht else jnp.zeros((0 if cfg.zero_row_dht else N, *state), jnp.float32)
+    dh0_like = jax.ShapeDtypeStruct((0 if cfg.zero_row_dht and not has_h0 else N, *state), jnp.float32)
     rows = lambda x, dt: x.reshape(B, Lr, *x.shape[1:]).astype(dt)
     if not p.delta:  # simple GLA; GLA with the stored A, G and q exp(G) (its dqkvg returns the per-step gates' dg)
         qd = qf
         if p.op == "gla":
             wy, Gf, qd = wy[:1], wy[1].reshape(Gf.shape), wy[2].reshape(qf.shape)
         gates = Gf if p.op == "gla" else _gates_for(p, "bwd", K, "dh", Gf, C, grows)  # (simple GLA's as its reverse pass takes them)
-        dh, dh0 = _call(bwd["dh"], (_like(hf), dh0_like), qd, dof, gates, dht, cstart, ccount, scale=s)
+        dh, dh0 = _call(p, bwd["dh"], (_like(hf), dh0_like), qd, dof, gates, dht, cstart, ccount, scale=s)
         a = tuple(x.reshape(-1, *x.shape[2:]) for x in wy)
         if p.op != "gla":  # (G as the consumer takes it)
             gates = _gates_for(p, "bwd", K, "dqkvg", Gf, C, grows)
         grads = _consumer(p, bwd["dqkvg"], (_like(qf), _like(kf), _like(vf), _like(Gf)), qf, kf, vf, gates, *a, hf, dof, dh, scale=s)
         if p.op != "gla":  # G's gradient -> the gates' per step
-            grads = (*grads[:3], _in_chunk_cumsum(grads[3], C, reverse=True))
+            grads = (*grads[:3], _in_chunk_cumsum(p, grads[3], C, reverse=True))
         return (*(rows(g, g.dtype) for g in grads), *((dh0,) if has_h0 else ()))
     # delta rules: the reverse state-gradient pass, then JAX's VJP of one chunk's forward given
     # its state (`_delta_local`) and the WY VJP given T (`_wy_vjp`), parallel over chunks
@@ -616,7 +598,7 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
     group_sum = lambda x: x if HV == H else x.astype(jnp.float32).reshape(-1, H, HV // H, K).sum(axis=2)
     # (with dv_new, `du`, the gradient of v_new that its chain forms)
     gates = _gates_for(p, "bwd", K, "dh", Gf, C, grows)
-    dh, dh0, du = _call(bwd["dh"], (_like(hf), dh0_like, _like(vf)), qf, kf, wd, dof, gates, dht, cstart, ccount, scale=s)
+    dh, dh0, du = _call(p, bwd["dh"], (_like(hf), dh0_like, _like(vf)), qf, kf, wd, dof, gates, dht, cstart, ccount, scale=s)
     heads = lambda x: _like(x, None, HV)
     # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
     q_norm = l2norm and norm_fused and fused and "dqkvg_l2" in bwd
@@ -626,12 +608,12 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
         gates, betas = _gates_for(p, "bwd", K, name, Gf, C, grows), _steps_for(p, "bwd", K, name, C, flat[4])
         rs = _steps_for(p, "bwd", K, name, C, rq, rk) if name == "grads_l2" else ()
         outs = (heads(qf), heads(kf), _like(vf), _like(Gf), _like(Gf))
-        dq, dk, dv, dG, dbeta = _call(bwd[name], outs, qf, kf, vf, vn, gates, *betas, Tm, hf, dof, dh, du, *rs, scale=s)
+        dq, dk, dv, dG, dbeta = _call(p, bwd[name], outs, qf, kf, vf, vn, gates, *betas, Tm, hf, dof, dh, du, *rs, scale=s)
         dq, dk = group_sum(dq), group_sum(dk)
         q_norm = k_norm = name == "grads_l2"  # (what the program has folded the norms' gradient into)
-        dg = _in_chunk_cumsum(dG, C, reverse=True)  # G's gradient -> the gates' per step
+        dg = _in_chunk_cumsum(p, dG, C, reverse=True)  # G's gradient -> the gates' per step
     else:
-        dq, dk, dv, dg, dbeta = _delta_two_programs(p, bwd, switches, scale, qf, kf, vf, Gf, flat[4], wd, ud, Tm, vn, hf, dof, dh, du,
+        dq, dk, dv, dg, dbeta = _delta_two_programs(p, bwd, scale, qf, kf, vf, Gf, flat[4], wd, ud, Tm, vn, hf, dof, dh, du,
                                                     grows, rq, rk, q_norm, k_norm, group_sum)
     if l2norm and not q_norm:
         dq = _norm_backward(p, qf, rq, dq.astype(qf.dtype))
@@ -641,12 +623,12 @@ def _backward(p: Problem, scale: float, switches: tuple, l2norm: bool, has_h0: b
             rows(dbeta, jnp.float32), *((dh0,) if has_h0 else ()))
 
 
-def _delta_two_programs(p, bwd, switches, scale, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, hf, dof, dh, du, grows, rq, rk, q_norm, k_norm,
+def _delta_two_programs(p, bwd, scale, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, hf, dof, dh, du, grows, rq, rk, q_norm, k_norm,
                         group_sum):
     """The delta rules' backward after the reverse pass in two programs (the consumer on v_new, then the WY VJP
-    kernel) or in XLA (`_delta_local`'s VJP and `_wy_vjp`), as `switches` pick: dq, dk, dv, dg (per step),
+    kernel) or in XLA (`_delta_local`'s VJP and `_wy_vjp`), as the call's `Config` picks: dq, dk, dv, dg (per step),
     dbeta; dq and dk before the norms' gradient where `q_norm` / `k_norm` are off."""
-    fused, wy_kernel = switches[:2]
+    fused, wy_kernel = _cfg(p).delta_fused_bwd, _cfg(p).delta_wy_bwd_kernel
     C, K, V, HV = p.chunk_size, qf.shape[-1], vf.shape[-1], vf.shape[1]
     s = np.float32(scale)
     f32 = lambda x: x.astype(jnp.float32)  # the VJP in float32, on the inputs as the kernels saw them
@@ -657,7 +639,7 @@ def _delta_two_programs(p, bwd, switches, scale, qf, kf, vf, Gf, beta, wd, ud, T
         dq, dkv, dG = _consumer(p, bwd[name], (heads(qf), heads(kf), _like(Gf)), qf, kf, vn, gates, hf, dof, dh, *rqs, scale=s)
         dq, dk = group_sum(dq), 0.0  # dk per value head (dkv) goes on to the WY VJP
     else:
-        _, local_vjp = jax.vjp(lambda *a: _delta_local(C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
+        _, local_vjp = jax.vjp(lambda *a: _delta_local(p, C, scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
         dq, dk, dw, du, dG, _ = local_vjp((f32(dof), f32(dh)))
         dkv = jnp.zeros(heads(kf).shape, kf.dtype)
     summed = False  # whether the WY VJP kernel returns the gates' gradient per step (`dg_sum`)
@@ -667,16 +649,16 @@ def _delta_two_programs(p, bwd, switches, scale, qf, kf, vf, Gf, beta, wd, ud, T
         summed = _config(p, "bwd", K, name).get("dg_sum", False)  # (then it takes the consumer's dG, and adds it)
         # G, beta (and r) as it takes them (G's rows as the forward kept them)
         sums, rks = (_gates_for(p, "bwd", K, name, Gf, C, grows), *_steps_for(p, "bwd", K, name, C, beta)), _steps_for(p, "bwd", K, name, C, *rks)
-        dk2, dv, dG2, dbeta = _call(bwd[name], outs, kf, vf, *sums, Tm, hf, du.astype(kf.dtype), dkv, *((dG,) if summed else ()), *rks)
+        dk2, dv, dG2, dbeta = _call(p, bwd[name], outs, kf, vf, *sums, Tm, hf, du.astype(kf.dtype), dkv, *((dG,) if summed else ()), *rks)
         dk2 = group_sum(dk2)
     else:
         if fused:  # the XLA WY VJP takes dw = -du h^T
             NT = hf.shape[0]
             dw = -jnp.einsum("nchv,nhkv->nchk", du.reshape(NT, C, HV, V), hf, preferred_element_type=jnp.float32).reshape(-1, HV, K)
             dk = group_sum(f32(dkv))
-        dk2, dv, dG2, dbeta = _wy_vjp(C, Tm, kf, vf, Gf, beta, dw, f32(du))
+        dk2, dv, dG2, dbeta = _wy_vjp(p, C, Tm, kf, vf, Gf, beta, dw, f32(du))
     dk = dk2 if fused and wy_kernel else dk + dk2  # (the WY VJP kernel has added the consumer's dk)
-    dg = dG2 if summed else _in_chunk_cumsum(dG + dG2, C, reverse=True)  # G's gradient -> the gates' per step
+    dg = dG2 if summed else _in_chunk_cumsum(p, dG + dG2, C, reverse=True)  # G's gradient -> the gates' per step
     return dq, dk, dv, dg, dbeta
 
 
@@ -685,29 +667,26 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
     """The forward (`fwd`, `fwd_h`: with stored states) or backward as one custom-partitioned
     function: split along batch and heads like its operands, T, K and V whole on every device
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
-    states whole. The module's switches are read here, so that changing them takes effect.
+    states whole. `p` carries the call's `Config` (a key of the cache).
     `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients;
     the forward (`fwd`, where `_folds_l2norm`) takes the raw q and k and normalises them itself.
     `has_h0`: initial states among the arrays (and their gradient among the backward's results).
     `store_rows` (`fwd_h`, `bwd`): G's per-chunk rows among the forward's results and the
     backward's arrays (`_stores_gate_rows`). `has_dht` (`bwd`): the final state's cotangent among
     the arrays (none where the loss takes no final state)."""
-    switches = (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_FWD_INVERSE, DELTA_L2NORM_FUSED, tuple(sorted(EXPERIMENT_OVERRIDES.items())),
-                SPLIT_PROGRAMS, SPLIT_MIN_CHUNKS, DELTA_NARROW_PROGRAMS, ZERO_ROW_H0, ZERO_ROW_DHT, GATE_SUM_DOT, DELTA_GRADS_KERNEL)
-    return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, store_rows, has_dht, switches, VJP_PRECISION)
+    return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, store_rows, has_dht)
 
 
 @functools.cache
 def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool, has_h0: bool, store_rows: bool,
-                      has_dht: bool, switches: tuple, precision):
-    del precision  # read by `_delta_local` and `_wy_vjp` while they trace; a key of the cache here
+                      has_dht: bool):
     state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
     tokens = _token_layouts(p)
     rows = ("bchr",) if store_rows else ()  # G's per-chunk rows [B, NT_b, HV, C]
     if direction == "bwd":
         norms = ("bth", "bth") if l2norm else ()
         ins, outs = tokens + ("bchkv",) + _stored_layouts(p) + norms + rows + tables + ("bthv",) + (state,) * has_dht, tokens + (state,) * has_h0
-        fn = functools.partial(_backward, p, scale, switches, l2norm, has_h0, store_rows, has_dht)
+        fn = functools.partial(_backward, p, scale, l2norm, has_h0, store_rows, has_dht)
     else:
         ins = tokens + (state,) * has_h0 + tables
         norms = ("bthk", "bthk", "bth", "bth") if l2norm else ()  # (fwd_h from the raw q, k: their y and 1 / |x|)
@@ -720,14 +699,14 @@ def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2
 def _folds_l2norm(p: Problem, K: int) -> bool:
     """Whether the forward with no gradient normalises q and k in its kernels (the inverse and the
     state pass from it, `inv_l2`, `fused_t_l2`), rather than after XLA's pass."""
-    return p.delta and K in DELTA_FWD_INVERSE and DELTA_L2NORM_FUSED and "inv_l2" in _targets(p, "fwd", K, K)
+    return p.delta and K in _cfg(p).delta_fwd_inverse and _cfg(p).delta_l2norm_fused and "inv_l2" in _targets(p, "fwd", K, K)
 
 
 def _folds_l2norm_h(p: Problem, K: int) -> bool:
     """Whether the forward under a gradient normalises q and k in its WY kernel (`wy_t_l2`, which
     also writes them normalised and their `1 / |x|` for the backward), rather than by a `norm`
     pass each before it."""
-    return p.delta and DELTA_L2NORM_FUSED and "wy_t_l2" in _targets(p, "fwd", K, K)
+    return p.delta and _cfg(p).delta_l2norm_fused and "wy_t_l2" in _targets(p, "fwd", K, K)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -782,7 +761,7 @@ _op.defvjp(_op_fwd, _op_bwd, symbolic_zeros=True)
 # (`kernels/delta/`), the chunk-parallel VJPs are XLA.
 
 
-def _wy_vjp(C: int, Tm, k, v, G, beta, dw, du):
+def _wy_vjp(p: Problem, C: int, Tm, k, v, G, beta, dw, du):
     """VJP of the WY preparation (`kernels/delta/wy.py`) given its `T = (I + A)^{-1}`
     `[NT, HV, C, C]` (float32): `dk, dv, dG, dbeta` from `dw, du`. `w = T (k s)`, `u = T (v beta)`
     with `s = beta exp(G)`, `A = tril(Diag(beta) (K K^T * exp(G_i - G_j)), -1)`; the solve's
@@ -791,7 +770,7 @@ def _wy_vjp(C: int, Tm, k, v, G, beta, dw, du):
     HV = v.shape[1]
     NT = L // C
     f32 = jnp.float32
-    ein = functools.partial(jnp.einsum, precision=VJP_PRECISION)
+    ein = functools.partial(jnp.einsum, precision=_cfg(p).vjp_precision)
     ch = lambda x: x.astype(f32).reshape(NT, C, *x.shape[1:])
     kc, vc, Gc, bc, dwc, duc = ch(jnp.repeat(k, HV // H, axis=1)), ch(v), ch(G), ch(beta), ch(dw), ch(du)
     eg = jnp.exp(Gc)  # [NT, C, HV]
@@ -816,14 +795,14 @@ def _wy_vjp(C: int, Tm, k, v, G, beta, dw, du):
     return dk, dv.reshape(L, HV, -1), dG.reshape(L, HV), dbeta.reshape(L, HV)
 
 
-def _delta_local(C: int, scale: float, q, k, w, u, G, h):
+def _delta_local(p: Problem, C: int, scale: float, q, k, w, u, G, h):
     """One chunk of the delta-rule forward, every chunk at once, given the state before it:
     `(o, state after)`. Flat layout; q, k `[L, H, K]`, w `[L, HV, K]`, u `[L, HV, V]`,
     G `[L, HV]`, h `[NT, HV, K, V]`. Differentiated by JAX for the parallel part of the backward."""
     L, H, K = q.shape
     HV, V = u.shape[1:]
     NT = L // C
-    prec = VJP_PRECISION
+    prec = _cfg(p).vjp_precision
     f32 = jnp.float32
     ch = lambda x: x.astype(f32).reshape(NT, C, *x.shape[1:])
     qc, kc = (ch(jnp.repeat(x, HV // H, axis=1)) for x in (q, k))

@@ -20,7 +20,7 @@ OPS = {
 
 # the tilelang programs that sum the gates per step themselves (kernels/variants.py G_SCAN: simple GLA's state pass, the
 # delta rules' inverse and training WY kernel), and the WY VJP that sums their gradient back to the steps (DG_SUM), as
-# `tilelang_backend.EXPERIMENT_OVERRIDES` entries that put them in the dispatched programs' place
+# `TileLangConfig.experiments` entries that put them in the dispatched programs' place
 GATE_SCAN_EXPERIMENTS = {("simple_gla", "fwd", "fused"): "x_fused_scan", ("delta", "fwd", "inv"): "x_inv_scan",
                          ("delta", "fwd", "inv_l2"): "x_inv_l2_scan", ("delta", "fwd", "wy_t_l2"): "x_wy_t_l2_scan",
                          ("delta", "bwd", "wy_bwd_l2"): "x_wy_bwd_l2_sum"}
@@ -129,16 +129,14 @@ def forward_outputs(case: Case, backend: str):
     return jax.jit(lambda diff: OPS[case.op](**diff, **static_kwargs(case), backend=backend))
 
 
-# The delta rules' tilelang backward, (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL, DELTA_GRADS_KERNEL): its
+# The delta rules' tilelang backward, (`Config.delta_fused_bwd`, `delta_wy_bwd_kernel`, `delta_grads_kernel`): its
 # chunk-parallel parts as XLA VJPs, the per-chunk part by the consumer kernel, the WY VJP by its kernel
 # too, and the two in one program wherever it is built (K <= 128; elsewhere as all_kernels).
 DELTA_BWD_MODES = {"xla_vjps": (False, False, ()), "consumer_kernel": (True, False, ()), "all_kernels": (True, True, ()),
                    "grads_kernel": (True, True, (64, 128))}
 
 
-def set_delta_bwd_mode(monkeypatch, mode: str):
-    """The switches of one of DELTA_BWD_MODES on `fla_jax.tilelang_backend`."""
-    from fla_jax import tilelang_backend
-
-    for name, on in zip(("DELTA_FUSED_BWD", "DELTA_WY_BWD_KERNEL", "DELTA_GRADS_KERNEL"), DELTA_BWD_MODES[mode]):
-        monkeypatch.setattr(tilelang_backend, name, on)
+def delta_bwd_config(mode: str, **more) -> fla_jax.TileLangConfig:
+    """The tilelang configuration of one of DELTA_BWD_MODES (and `more` settings)."""
+    fused, wy_kernel, grads = DELTA_BWD_MODES[mode]
+    return fla_jax.TileLangConfig(delta_fused_bwd=fused, delta_wy_bwd_kernel=wy_kernel, delta_grads_kernel=grads, **more)

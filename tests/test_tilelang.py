@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import fla_jax
-from cases import DELTA_BWD_MODES, set_delta_bwd_mode, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
+from cases import DELTA_BWD_MODES, delta_bwd_config, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _problem, tilelang_backend
+from fla_jax.tilelang_backend import Config
 from fla_jax import _variants as variants
 
 pytestmark = pytest.mark.skipif(not tilelang_backend.registered(), reason="the TileLang extension is not built (python build.py)")
@@ -33,6 +34,11 @@ def test_every_variant_is_registered():
     registered = set(tilelang_backend.registered())
     assert dispatched <= registered, sorted(dispatched - registered)[:5]
     assert registered - dispatched <= experiments, sorted(registered - dispatched - experiments)[:5]
+
+
+# `_call`'s configuration where a test calls programs itself: every output starts as NaN
+POISONED = tilelang_backend.configured(_problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype="bfloat16"),
+                                       Config(poison_outputs=True))
 
 
 def _skip_unless_built(*names: str) -> None:
@@ -82,16 +88,16 @@ def test_export_for_cuda_has_the_custom_calls(K, dtype):
     assert sorted(both) == sorted(fwd_names[1:] + bwd_names)
 
 
-def test_experiment_overrides_replace_the_program(monkeypatch):
-    """`EXPERIMENT_OVERRIDES` (benchmarks/bench.py --experiments) puts a built experiment in a
+def test_experiment_overrides_replace_the_program():
+    """`Config.experiments` (benchmarks/bench.py --experiments) puts a built experiment in a
     program's place where the variant has it (bf16, K = 128) and leaves the others (fp16)."""
-    monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "fwd", "fused_h"), "x_fused_h_3wg")
+    cfg = Config(experiments=((("simple_gla", "fwd", "fused_h"), "x_fused_h_3wg"),))
     B, T, H, K = 2, 100, 2, 128
     g, h0 = jnp.zeros((B, T, H), jnp.float32), jnp.zeros((B, H, K, K), jnp.float32)
     for dtype, short, name in (("bfloat16", "bf16", "x_fused_h_3wg"), ("float16", "fp16", "fused_h")):
         p = _problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype=dtype)
         x = jnp.zeros((B, T, H, K), dtype)
-        f = lambda q, k, v, g, h0, p=p: tilelang_backend.run(p, q, k, v, g, None, h0, None, scale=0.5)
+        f = lambda q, k, v, g, h0, p=p: tilelang_backend.run(p, q, k, v, g, None, h0, None, scale=0.5, config=cfg)
         want = f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_{name}"
         _, step = _cuda_custom_calls(f, (x, x, x, g, h0), [want, f"fla_simple_gla_fwd_{short}_k{K}_v{K}_c64_fused",
                                                            *(f"fla_simple_gla_bwd_{short}_k{K}_v{K}_c64_{n}" for n in ("dh", "dqkvg"))])
@@ -142,9 +148,8 @@ GPU_CASES = [
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_tilelang_matches_float64(case, monkeypatch):
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)  # unwritten outputs stay NaN
-    errs = errors_against_float64(case, 11)  # (o, ht also with no gradient: the forward's own programs)
+def test_tilelang_matches_float64(case):
+    errs = errors_against_float64(case, 11, backend=Config(poison_outputs=True))  # (unwritten outputs stay NaN)  # (o, ht also with no gradient: the forward's own programs)
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     bad = {n: e for n, e in errs.items() if not e <= (0.004 if n[0] in "oh" else 0.005)}
     assert not bad, bad
@@ -159,16 +164,14 @@ SPLIT_GPU_CASES = [
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SPLIT_GPU_CASES, ids=str)
-def test_tilelang_simple_gla_forward_split(case, monkeypatch):
-    """Simple GLA's forward with no gradient in pieces (`SPLIT_PROGRAMS`) against float64 and
+def test_tilelang_simple_gla_forward_split(case):
+    """Simple GLA's forward with no gradient in pieces (`Config.split_programs`) against float64 and
     against the unsplit pass, NaN-poisoned outputs."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 13)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     outs = {}
     for programs in (132, 0):
-        monkeypatch.setattr(tilelang_backend, "SPLIT_PROGRAMS", programs)
-        outs[programs] = forward_outputs(case, "tilelang")(diff)
+        outs[programs] = forward_outputs(case, Config(poison_outputs=True, split_programs=programs))(diff)
     (o, ht), (o1, ht1) = outs[132], outs[0]
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht), "o unsplit": err_ratio(ref_o, o1),
             "o vs unsplit": err_ratio(np.asarray(o1.astype(jnp.float32)), o), "ht vs unsplit": err_ratio(ht1, ht)}
@@ -182,14 +185,12 @@ SUM_DOT_GPU_CASES = [GPU_CASES[6], GPU_CASES[8], SPLIT_GPU_CASES[0]]
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SUM_DOT_GPU_CASES, ids=str)
-def test_tilelang_gates_summed_by_a_product(case, monkeypatch):
-    """GATE_SUM_DOT (the gates' in-chunk sums and their VJP as XLA float32 products with a triangle of
+def test_tilelang_gates_summed_by_a_product(case):
+    """`Config.gate_sum_dot` (the gates' in-chunk sums and their VJP as XLA float32 products with a triangle of
     ones, G's per-chunk rows straight from the forward's) against float64 under NaN-poisoned outputs,
     simple GLA here (the delta rules' in test_tilelang_delta_gates_summed_by_a_product): with TF32 in the
     product strong decay (G of tens) would miss by percents."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", True)
-    errs = errors_against_float64(case, 17)
+    errs = errors_against_float64(case, 17, backend=Config(poison_outputs=True, gate_sum_dot=True))
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     bad = {n: e for n, e in errs.items() if not e <= (0.004 if n[0] in "oh" else 0.005)}
     assert not bad, bad
@@ -211,15 +212,13 @@ DELTA_GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", DELTA_BWD_MODES)
 @pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
-def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
+def test_tilelang_delta_matches_float64(case, mode):
     """The delta-rule kernels against float64 under NaN-poisoned outputs, with fla's ratios (o
     0.006, gradients 0.008, dbeta/dg 0.02); the backward's parallel parts in XLA, or by the
-    consumer kernel (DELTA_FUSED_BWD), and the WY VJP kernel too (DELTA_WY_BWD_KERNEL; the default)."""
-    set_delta_bwd_mode(monkeypatch, mode)
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    consumer kernel (`Config.delta_fused_bwd`), and the WY VJP kernel too (`Config.delta_wy_bwd_kernel`; the default)."""
     diff, cot = make_inputs(case, 13)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
-    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
+    grads, (o, ht) = loss_and_outputs(case, delta_bwd_config(mode, poison_outputs=True))(diff, cot)
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
     errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
@@ -231,12 +230,10 @@ def test_tilelang_delta_matches_float64(case, mode, monkeypatch):
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [DELTA_GPU_CASES[i] for i in (1, 2, 4, 5)], ids=str)
-def test_tilelang_delta_gates_summed_by_a_product(case, monkeypatch):
-    """The delta rules under GATE_SUM_DOT (see test_tilelang_gates_summed_by_a_product) against float64,
+def test_tilelang_delta_gates_summed_by_a_product(case):
+    """The delta rules under `Config.gate_sum_dot` (see test_tilelang_gates_summed_by_a_product) against float64,
     NaN-poisoned, fla's ratios: o and ht with a gradient and without, every gradient."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", True)
-    errs = errors_against_float64(case, 19)
+    errs = errors_against_float64(case, 19, backend=Config(poison_outputs=True, gate_sum_dot=True))
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     limit = lambda n: 0.006 if n[0] in "oh" else 0.02 if n in ("dbeta", "dg") else 0.008
     bad = {n: e for n, e in errs.items() if not e <= limit(n)}
@@ -246,18 +243,16 @@ def test_tilelang_delta_gates_summed_by_a_product(case, monkeypatch):
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [c for c in DELTA_GPU_CASES if c.l2norm], ids=str)
-def test_tilelang_delta_l2norm_gradient_passes(case, monkeypatch):
-    """The normalisation's gradient by a `norm_bwd` pass per tensor (DELTA_L2NORM_FUSED off)
+def test_tilelang_delta_l2norm_gradient_passes(case):
+    """The normalisation's gradient by a `norm_bwd` pass per tensor (`Config.delta_l2norm_fused` off)
     rather than in the consumer and WY VJP, against float64 under NaN-poisoned outputs with
     fla's ratios, and against the default (folded) path (dq, dk within 0.6 %: each is rounded to
     the input dtype once, from float32 values that differ in their last bits)."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 19)
     ref_g, _ = reference_grads(case, diff, cot)
     grads = {}
     for norm_fused in (True, False):
-        monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", norm_fused)
-        grads[norm_fused], _ = loss_and_outputs(case, "tilelang")(diff, cot)
+        grads[norm_fused], _ = loss_and_outputs(case, Config(poison_outputs=True, delta_l2norm_fused=norm_fused))(diff, cot)
     errs = {"d" + n: err_ratio(ref_g[n], grads[False][n]) for n in diff}
     same = {"d" + n + "_folded": err_ratio(grads[False][n], grads[True][n]) for n in ("q", "k")}
     print(case, {n: f"{e:.1e}" for n, e in (errs | same).items()})
@@ -269,14 +264,13 @@ def test_tilelang_delta_l2norm_gradient_passes(case, monkeypatch):
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
-def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
-    """Both forwards with no gradient, DELTA_FWD_INVERSE (the default: the gate-free inverse `inv`,
+def test_tilelang_delta_forward_from_the_inverse(case):
+    """Both forwards with no gradient, `Config.delta_fwd_inverse` (the default: the gate-free inverse `inv`,
     then `fused_t`; with l2 normalisation `inv_l2` and `fused_t_l2`, which normalise q
     and k themselves, and also the two after XLA's normalisation; the state pass with V blocks of
-    32 for these few sequences and heads, DELTA_NARROW_PROGRAMS, and of 64) and without it (the WY
+    32 for these few sequences and heads, `Config.delta_narrow_programs`, and of 64) and without it (the WY
     kernel, then the state pass on w and u), against float64 under NaN-poisoned outputs with fla's
     ratio (o and ht 0.006)."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 17)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     errs = {}
@@ -284,10 +278,9 @@ def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
     paths = [(True, True, 132, "_v32"), (True, True, 0, ""), (False, True, 0, "_wy"), (True, False, 132, "_xla_norm_v32"),
              (True, False, 0, "_xla_norm")]
     for inverse, folded, narrow, tag in paths if case.l2norm else paths[:3]:
-        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", variants.HEAD_DIMS if inverse else ())
-        monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", folded)
-        monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", narrow)
-        o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
+        cfg = Config(poison_outputs=True, delta_fwd_inverse=variants.HEAD_DIMS if inverse else (), delta_l2norm_fused=folded,
+                     delta_narrow_programs=narrow)
+        o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend=cfg))(diff)
         errs |= {f"o{tag}": err_ratio(ref_o, o), f"ht{tag}": err_ratio(ref_ht, ht)}
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     bad = {n: e for n, e in errs.items() if not e <= 0.006}
@@ -297,20 +290,16 @@ def test_tilelang_delta_forward_from_the_inverse(case, monkeypatch):
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [c for c in DELTA_GPU_CASES if c.K <= 128 and c.dtype == "bfloat16"], ids=str)
-def test_tilelang_delta_hi_only_wy_vjp_against_float64(case, monkeypatch):
+def test_tilelang_delta_hi_only_wy_vjp_against_float64(case):
     """The WY VJP taking T's and dT's hi halves alone (`x_wy_bwd_hi`, `x_wy_bwd_l2_hi`: the input
     dtype's rounding of T, as fla's bf16 A) in place of the dispatched program, against float64
     under NaN-poisoned outputs with fla's ratios, beside the dispatched program's errors."""
     _skip_unless_built("x_wy_bwd_hi", "x_wy_bwd_l2_hi")
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     diff, cot = make_inputs(case, 13)
     ref_g, _ = reference_grads(case, diff, cot)
     errs = {}
     for tag, overrides in (("", {}), ("_hi", {(case.op, "bwd", "wy_bwd"): "x_wy_bwd_hi", (case.op, "bwd", "wy_bwd_l2"): "x_wy_bwd_l2_hi"})):
-        with pytest.MonkeyPatch.context() as mp:
-            for where, name in overrides.items():
-                mp.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, where, name)
-            grads, _ = loss_and_outputs(case, "tilelang")(diff, cot)
+        grads, _ = loss_and_outputs(case, Config(poison_outputs=True, experiments=tuple(overrides.items())))(diff, cot)
         errs.update({"d" + n + tag: err_ratio(ref_g[n], grads[n]) for n in diff})
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     limit = lambda n: 0.02 if n.startswith(("dbeta", "dg")) else 0.008
@@ -336,23 +325,19 @@ NO_H0_GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("scan", [False, True], ids=["steps_by_xla", "steps_by_kernel"])
 @pytest.mark.parametrize("case", NO_H0_GPU_CASES, ids=str)
-def test_tilelang_without_initial_state(case, scan, monkeypatch):
-    """ZERO_ROW_H0 (calls with no initial state give the state passes `h0` with no rows; they start
-    from zeros), ZERO_ROW_DHT (the reverse passes write no dh0 then, and under a loss of o alone,
+def test_tilelang_without_initial_state(case, scan):
+    """`Config.zero_row_h0` (calls with no initial state give the state passes `h0` with no rows; they start
+    from zeros), `Config.zero_row_dht` (the reverse passes write no dh0 then, and under a loss of o alone,
     with `scan`, get `dht` with no rows and start from zeros) and, with `scan`, the programs that
     sum the gates per step and the WY VJP that sums their gradient back (the GATE_SCAN_EXPERIMENTS
     put in place) against float64 under NaN-poisoned outputs: o and ht with and without a gradient,
     every gradient (simple GLA and GLA 0.004 / 0.005, the delta rules 0.006 / 0.008, dbeta and dg
     0.02)."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", True)
-    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", True)
+    cfg = Config(poison_outputs=True, zero_row_h0=True, zero_row_dht=True)
     if scan:  # (where built: bf16, K = 64, 128; the WY VJP's experiment stands in for the program of two, not of one)
         _skip_unless_built(*GATE_SCAN_EXPERIMENTS.values())
-        monkeypatch.setattr(tilelang_backend, "DELTA_GRADS_KERNEL", ())
-        for key, name in GATE_SCAN_EXPERIMENTS.items():
-            monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
-    errs = errors_against_float64(case, 23, terms=("o",) if scan else ("o", "ht"))
+        cfg = dataclasses.replace(cfg, delta_grads_kernel=(), experiments=tuple(GATE_SCAN_EXPERIMENTS.items()))
+    errs = errors_against_float64(case, 23, backend=cfg, terms=("o",) if scan else ("o", "ht"))
     print(case, scan, {n: f"{e:.1e}" for n, e in errs.items()})
     delta = case.op in ("delta_rule", "gated_delta_rule")
     limit = lambda n: (0.006 if delta else 0.004) if n[0] in "oh" else 0.02 if delta and n in ("dbeta", "dg") else 0.008 if delta else 0.005
@@ -360,10 +345,10 @@ def test_tilelang_without_initial_state(case, scan, monkeypatch):
     assert not bad, bad
 
 
-def _program_inputs(op: str, name: str, dtype: str, D: int):
+def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None = None):
     """(results, args, attrs) for one program kind on 2 sequences of 192 and 320 tokens, as the
     program of that kind that runs (`tilelang_backend._program`: an experiment where
-    `EXPERIMENT_OVERRIDES` puts one in its place) takes them: the gates summed in chunks (columns,
+    `Config.experiments` puts one in its place) takes them: the gates summed in chunks (columns,
     or per-chunk rows), or per step where it sums them itself."""
     rng = np.random.default_rng(5)
     L, H, NT = 512, 3, 8
@@ -374,7 +359,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     cstart, ccount = jnp.asarray([0, 3], jnp.int32), jnp.asarray([3, 5], jnp.int32)
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
     per_chunk = lambda a: jnp.moveaxis(a.reshape(NT, 64, H), 1, 2)  # [L, H] -> rows [NT, H, 64]
-    prob = _problem.Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
+    prob = tilelang_backend.configured(_problem.Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype), cfg)
     gates_for = lambda direction: tilelang_backend._gates_for(prob, direction, D, name, G, 64)  # G as program `name` takes it
     # the forward's program `name` takes the gates per step (and sums them itself)
     takes_steps = lambda: tilelang_backend._config(prob, "fwd", D, name).get("g_scan")
@@ -450,7 +435,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     if op == "delta" and name in ("wy_bwd", "wy_bwd_l2"):  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: tilelang_backend._call(POISONED, tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
         rk = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "wy_bwd_l2" else ()  # (k the normalised y)
         # (G, beta and r as per-chunk rows where it loads them so)
@@ -459,7 +444,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int):
     if op == "delta" and name in ("grads", "grads_l2"):  # the consumer and the WY VJP in one program: both's inputs
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: tilelang_backend._call(POISONED, tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         q, vn, do, du, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         rs = tuple(jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32) for _ in range(2 if name == "grads_l2" else 0))
         sums, rs = (gates_for("bwd"), *tilelang_backend._steps_for(prob, "bwd", D, name, 64, beta)), tilelang_backend._steps_for(prob, "bwd", D, name, 64, *rs)
@@ -473,11 +458,10 @@ EXPERIMENTS = [(key, prog) for key, progs in variants.EXPERIMENTS.items() for pr
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("key,prog", EXPERIMENTS, ids=[f"{k[0]}-{p.name}" for k, p in EXPERIMENTS])
-def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch):
+def test_experimental_programs_match_the_dispatched_ones(key, prog):
     """Each alternative kernel config (kernels/variants.py EXPERIMENTS) computes what the
     dispatched program of its kind computes, NaN-poisoned outputs, before any dispatch may use it."""
     _skip_unless_built(prog.name)
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     op, direction, dt, K = key
     variant = variants.find(op, direction, variants.DTYPES[dt], K, K)
     main = next((p for p in variant.programs if p.name == prog.kind), None)
@@ -486,10 +470,8 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
     results, args, attrs = _program_inputs(op, main.name, variants.DTYPES[dt], K)
     # the same inputs as the experiment takes them (the gates per step where it sums them, or as rows: the inputs
     # formed with it in its kind's place; the training WY kernel summing the gates also writes G and its rows)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, (op, direction, prog.kind), prog.name)
-        results2, args2 = _program_inputs(op, main.name, variants.DTYPES[dt], K)[:2]
-    run = lambda p, r, a: jax.jit(lambda *a: tilelang_backend._call(variant.target(p), r, *a, **attrs))(*a)
+    results2, args2 = _program_inputs(op, main.name, variants.DTYPES[dt], K, Config(experiments=(((op, direction, prog.kind), prog.name),)))[:2]
+    run = lambda p, r, a: jax.jit(lambda *a: tilelang_backend._call(POISONED, variant.target(p), r, *a, **attrs))(*a)
     want = run(main, results, args)
     if len(results2) > len(results):  # G (the main program's input, as columns) and its rows [NT, H, 64]
         G = kernel_emulator._gate_columns(args[3])
@@ -518,18 +500,17 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog, monkeypatch)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "l2"])
 @pytest.mark.parametrize("K", [64, 128])
-def test_delta_grads_program_matches_the_two_it_fuses(K, l2norm, dtype, monkeypatch):
+def test_delta_grads_program_matches_the_two_it_fuses(K, l2norm, dtype):
     """`grads` (`grads_l2`), the delta rules' consumer and WY VJP in one program, against the two
     programs run in turn on the same inputs (the consumer's dk handed on as the WY VJP's dk0),
     NaN-poisoned outputs: dq, dv, dbeta the same sums; dG the two parts' sum; dk to the input
     dtype's rounding (the two programs round the consumer's part once more)."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     name = "grads_l2" if l2norm else "grads"
     results, args, attrs = _program_inputs("delta", name, dtype, K)
     q, k, v, vn, g, beta, t, h, do, dh, du, *rs = args
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
     bwd = tilelang_backend._targets(p, "bwd", K, K)
-    call = lambda target, res, *a, **kw: jax.jit(lambda *a: tilelang_backend._call(target, res, *a, **kw))(*a)
+    call = lambda target, res, *a, **kw: jax.jit(lambda *a: tilelang_backend._call(POISONED, target, res, *a, **kw))(*a)
     got = call(bwd[name], results, *args, **attrs)
     consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if l2norm else ("dqkvg", "wy_bwd")
     assert all(tilelang_backend._config(p, "bwd", K, n).get("g_rows") for n in (consumer, wy)), "G and beta as rows for all three"
@@ -560,9 +541,7 @@ def test_delta_wy_inverse_against_float64(K):
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
     results = (like(k), like(v), jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tilelang_backend, "POISON_OUTPUTS", True)
-        _, _, t = jax.jit(lambda *a: tilelang_backend._call(tilelang_backend._targets(p, "fwd", K, K)["wy_t"], results, *a))(k, v, G, beta)
+    _, _, t = jax.jit(lambda *a: tilelang_backend._call(POISONED, tilelang_backend._targets(p, "fwd", K, K)["wy_t"], results, *a))(k, v, G, beta)
     kc = np.asarray(k, np.float64).reshape(NT, 64, H, K).transpose(0, 2, 1, 3)
     g = np.asarray(G, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
     b = np.asarray(beta, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
@@ -617,9 +596,7 @@ def test_tilelang_gates_of_zero_decay(op, floor):
     g[:, (3, 40, 41, 130)] = floor
     diff["g"] = jnp.asarray(g)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tilelang_backend, "POISON_OUTPUTS", True)
-        grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
+    grads, (o, ht) = loss_and_outputs(case, Config(poison_outputs=True))(diff, cot)
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)} | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff if n != "g"}
     print(case, floor, {n: f"{e:.1e}" for n, e in errs.items()})
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(grads)), "non-finite gradient"
@@ -658,7 +635,7 @@ def test_gla_gates_at_scale(K):
     flat = lambda x: jnp.asarray(x).reshape(B * T, H, K)
     results = (jax.ShapeDtypeStruct((B * T // 64, H, 64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((B * T, H, K), jnp.float32),
                jax.ShapeDtypeStruct((B * T, H, K), jnp.bfloat16), jax.ShapeDtypeStruct((B * T, H, K), jnp.bfloat16))
-    run = jax.jit(lambda *a: tilelang_backend._call(variant.target(prog), results, *a, scale=np.float32(K**-0.5)))
+    run = jax.jit(lambda *a: tilelang_backend._call(POISONED, variant.target(prog), results, *a, scale=np.float32(K**-0.5)))
     G = np.asarray(run(flat(q), flat(k), flat(g))[1])
     ref = np.cumsum(g.astype(np.float64).reshape(-1, 64, H, K), axis=1).reshape(G.shape)
     assert np.max(np.abs(G - ref) / (1 + np.abs(ref))) < 1e-5
@@ -980,14 +957,13 @@ TILED_GPU_CASES = [
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TILED_GPU_CASES, ids=str)
-def test_tilelang_tiled_head_dims_match_float64(case, monkeypatch):
+def test_tilelang_tiled_head_dims_match_float64(case):
     """K != V on the kernels against float64: outputs (under a gradient and without), the final state
     and every gradient, NaN-poisoned outputs; limits as the square cases'."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     delta = case.op in ("delta_rule", "gated_delta_rule")
     call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
     assert tilelang_backend.unsupported(_problem.Problem(op=case.op, delta=delta, chunk_size=64, dtype=case.dtype), **call) is None
-    errs = errors_against_float64(case, 17)
+    errs = errors_against_float64(case, 17, backend=Config(poison_outputs=True))
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     if delta:
         limit = lambda n: 0.006 if n[0] in "oh" else 0.02 if n in ("dbeta", "dg") else 0.008
@@ -1078,7 +1054,7 @@ def test_gla_export_for_cuda_has_the_custom_calls(K, monkeypatch):
     assert sorted(kernels(both)) == sorted([names[0]] + names[2:])
 
 
-def _gdn_custom_calls(K: int, allowed, *, l2norm: bool, modules: bool = False):
+def _gdn_custom_calls(K: int, allowed, *, l2norm: bool, modules: bool = False, cfg: Config | None = None):
     """`_cuda_custom_calls` of GDN with the tilelang backend: H = 2 q/k heads, 4 value heads (with
     `modules` the exported modules' text, `_cuda_modules`)."""
     x = jnp.zeros((1, 100, 2, K), jnp.bfloat16)
@@ -1087,7 +1063,7 @@ def _gdn_custom_calls(K: int, allowed, *, l2norm: bool, modules: bool = False):
 
     def f(q, k, v, g, beta):
         return fla_jax.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
-                                              backend="tilelang")
+                                              backend=cfg or "tilelang")
 
     return (_cuda_modules if modules else _cuda_custom_calls)(f, (x, x, v, gb, gb), allowed)
 
@@ -1104,12 +1080,11 @@ def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
     kernel writes G and its rows, the WY VJP returns the gates' gradient per step (and takes
     columns; at K = 256 the WY kernel then normalises q and k too, in place of the `norm` passes)."""
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    if scan:  # (the experiments stand in for the WY VJP of two programs: not the one program, DELTA_GRADS_KERNEL)
-        monkeypatch.setattr(tilelang_backend, "DELTA_GRADS_KERNEL", ())
-        for key, name in GATE_SCAN_EXPERIMENTS.items():
-            monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
+    cfg = None
+    if scan:  # (the experiments stand in for the WY VJP of two programs: not the one program, `delta_grads_kernel`)
+        cfg = Config(delta_grads_kernel=(), experiments=tuple(GATE_SCAN_EXPERIMENTS.items()))
     allowed = [v.target(p) for v in variants.VARIANTS for p in v.declared]
-    _, step = _gdn_custom_calls(K, allowed, l2norm=True, modules=True)
+    _, step = _gdn_custom_calls(K, allowed, l2norm=True, modules=True, cfg=cfg)
     kernels = re.findall(r"custom_call @fla_delta_\w+_c64_(\w+)", step)
     assert step.count("stablehlo.transpose") == (0 if K > 128 else 1 if scan else 5), kernels
     assert ("@cumsum" in step) == (not scan), kernels
@@ -1121,7 +1096,7 @@ def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
 
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_delta_narrow_state_pass_where_programs_leave_sms_idle(l2norm):
-    """DELTA_NARROW_PROGRAMS at the benchmark shapes: V blocks of 32 at 2,8192,16,128 (2 x 16 x 2
+    """`Config.delta_narrow_programs` at the benchmark shapes: V blocks of 32 at 2,8192,16,128 (2 x 16 x 2
     programs of 64 would leave half the SMs idle) and at 4,4096,16,64 (64), of 64 where the
     programs fill the SMs (4,4096,16,128: 128; 8,2048,16,64: 128), and at K = 256, where no
     narrow pass is built."""
@@ -1130,24 +1105,23 @@ def test_delta_narrow_state_pass_where_programs_leave_sms_idle(l2norm):
     for (N, HV, D), want in (((2, 16, 128), wide + "_v32"), ((4, 16, 64), wide + "_v32"), ((4, 16, 128), wide), ((8, 16, 64), wide),
                              ((1, 1, 256), wide), ((66, 1, 64), wide + "_v32"), ((67, 1, 64), wide)):
         targets = tilelang_backend._targets(p, "fwd", D, D)
-        assert tilelang_backend._state_pass_t(targets, l2norm, N, HV, D) == want, (N, HV, D)
+        assert tilelang_backend._state_pass_t(Config(), targets, l2norm, N, HV, D) == want, (N, HV, D)
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])
 def test_delta_forward_from_the_inverse_exports_its_kernels(K, monkeypatch):
-    """With DELTA_FWD_INVERSE (by default at K <= 128) the forward with no gradient lowers for CUDA to the
+    """With `Config.delta_fwd_inverse` (by default at K <= 128) the forward with no gradient lowers for CUDA to the
     inverse and the state pass that reads it, without it to the WY kernel and the state pass on w
     and u; under a gradient the forward is the WY kernel's either way (the backward reads its w,
     u and T)."""
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     names = [f"fla_delta_fwd_bf16_k{K}_v{K}_c64_{n}" for n in ("inv", "fused_t", "wy", "fused", "wy_t", "fused_h")]
     built = [vr.target(prog) for d in ("fwd", "bwd") for vr in [variants.find("delta", d, "bfloat16", K, K)] for prog in vr.programs]
-    # (one sequence, four value heads: with DELTA_NARROW_PROGRAMS the state pass in V blocks of 32 where built)
+    # (one sequence, four value heads: with `Config.delta_narrow_programs` the state pass in V blocks of 32 where built)
     narrow = [names[0], names[1] + "_v32" if K <= 128 else names[1]]
     for inverse, wide, want in ((True, True, names[:2]), (True, False, narrow), (False, True, names[2:4])):
-        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", variants.HEAD_DIMS if inverse else ())
-        monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", 0 if wide else 132)
-        fwd, both = _gdn_custom_calls(K, built, l2norm=False)
+        cfg = Config(delta_fwd_inverse=variants.HEAD_DIMS if inverse else (), delta_narrow_programs=0 if wide else 132)
+        fwd, both = _gdn_custom_calls(K, built, l2norm=False, cfg=cfg)
         assert fwd == want
         assert [c for c in both if c.startswith("fla_delta_fwd")] == names[4:]
 
@@ -1161,16 +1135,15 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeyp
     reverse state-gradient pass and, when switched on, the consumer and WY VJP kernels, or the one
     program for both) around XLA's parallel parts."""
     fused, wy_kernel, grads = DELTA_BWD_MODES[mode]
-    set_delta_bwd_mode(monkeypatch, mode)
-    monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", norm_fused)
-    monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", 0)  # (V blocks of 64 in the forward from the inverse)
+    # (V blocks of 64 in the forward from the inverse)
+    cfg = delta_bwd_config(mode, delta_l2norm_fused=norm_fused, delta_narrow_programs=0)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
-    # under a gradient q and k are normalised by the WY kernel (`wy_t_l2`, where DELTA_L2NORM_FUSED
+    # under a gradient q and k are normalised by the WY kernel (`wy_t_l2`, where `Config.delta_l2norm_fused`
     # and K <= 128) or by a kernel each before it (XLA's pass without a gradient); their gradients
-    # by the consumer (at K <= 128) and the WY VJP where DELTA_L2NORM_FUSED and both run, else by
+    # by the consumer (at K <= 128) and the WY VJP where `Config.delta_l2norm_fused` and both run, else by
     # a pass each
     q_norm, k_norm = norm_fused and fused and K <= 128, norm_fused and fused and wy_kernel
-    if K in tilelang_backend.DELTA_FWD_INVERSE:  # (with DELTA_L2NORM_FUSED from the raw q and k)
+    if K in cfg.delta_fwd_inverse:  # (with `delta_l2norm_fused` from the raw q and k)
         programs = [("fwd", "inv_l2"), ("fwd", "fused_t_l2")] if norm_fused else [("fwd", "inv"), ("fwd", "fused_t")]
     else:
         programs = [("fwd", "wy"), ("fwd", "fused")]
@@ -1182,7 +1155,7 @@ def test_delta_export_for_cuda_has_the_custom_calls(K, mode, norm_fused, monkeyp
         programs += [("bwd", "dqkvg_l2" if q_norm else "dqkvg")] * fused + [("bwd", "wy_bwd_l2" if k_norm else "wy_bwd")] * wy_kernel
         programs += [("bwd", "norm_bwd")] * (2 - q_norm - k_norm)
     names = [f"fla_delta_{d}_bf16_k{K}_v{K}_c64_{n}" for d, n in programs]
-    fwd, both = _gdn_custom_calls(K, sorted(set(names)), l2norm=True)
+    fwd, both = _gdn_custom_calls(K, sorted(set(names)), l2norm=True, cfg=cfg)
     kernels = lambda calls: [c for c in calls if c.startswith("fla_")]
     assert kernels(fwd) == names[:2]
     assert sorted(kernels(both)) == sorted(names[2:])
@@ -1198,7 +1171,6 @@ def test_tilelang_layers_train_as_xla_does(name, monkeypatch):
 
     from fla_jax.layers import GatedDeltaNet, GatedLinearAttention
 
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
     build = {"gdn": lambda b: GatedDeltaNet(256, 2, 128, num_v_heads=4, backend=b, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
              "gla": lambda b: GatedLinearAttention(256, 2, 128, backend=b, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))}[name]
     x = jax.random.normal(jax.random.key(5), (2, 300, 256), jnp.bfloat16)
@@ -1206,7 +1178,7 @@ def test_tilelang_layers_train_as_xla_does(name, monkeypatch):
     loss = lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2) + jnp.sum(m(x.reshape(1, 600, 256), cu_seqlens=cu).astype(jnp.float32) ** 2)
     res = {}
     for b in ("xla", "tilelang"):
-        layer = build(b)
+        layer = build(Config(poison_outputs=True) if b == "tilelang" else b)
         res[b] = jax.jit(lambda m: (m(x), nnx.grad(loss)(m)))(layer)
     (y, g), (yt, gt) = res["xla"], res["tilelang"]
     errs = {"o": err_ratio(y.astype(jnp.float32), yt)}

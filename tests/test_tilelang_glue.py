@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cases import DELTA_BWD_MODES, set_delta_bwd_mode, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
+from cases import DELTA_BWD_MODES, delta_bwd_config, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _backends, _tiling, tilelang_backend, xla
 from fla_jax._problem import Problem
+from fla_jax.tilelang_backend import Config, configured
 from fla_jax._variants import HEAD_DIMS, VARIANTS
 
 CASES = [
@@ -33,7 +34,7 @@ def emulated(monkeypatch):
     # (the partitioned functions are cached with what they traced: a test that records the kernels' calls
     # starts from none)
     tilelang_backend._partitioned_with.cache_clear()
-    monkeypatch.setattr(tilelang_backend, "_call", kernel_emulator.call)
+    monkeypatch.setattr(tilelang_backend, "_call", lambda _p, *a, **kw: kernel_emulator.call(*a, **kw))
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     monkeypatch.setattr(tilelang_backend, "registered", lambda: [v.target(p) for v in VARIANTS for p in v.declared])
 
@@ -58,7 +59,7 @@ def _watch_rows(monkeypatch, pick):
     transposes to per-chunk rows (`transposed`)."""
     calls, transposed = {}, []
 
-    def record(target, results, *args, **attrs):
+    def record(_p, target, results, *args, **attrs):
         name = target.rsplit("_c64_", 1)[1]
         if (seen := pick(name, args)) is not None:
             calls.setdefault(name, []).append(seen)
@@ -84,14 +85,14 @@ ROWS_CASES = [
 def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
     """Simple GLA under a gradient with G's per-chunk rows loaded by TMA: the reverse pass `dh` (K = 64,
     128), the consumer `dqkvg` (K = 128; its columns at 64) and the forward experiment `x_fused_tp4`
-    put in place (`EXPERIMENT_OVERRIDES`). Each takes G as rows `[NT, H, 64]`, the forward under the
+    put in place (`Config.experiments`). Each takes G as rows `[NT, H, 64]`, the forward under the
     gradient hands its rows to the backward (`_stores_gate_rows`: XLA transposes G once, not again
     in the backward), and o, ht and every gradient match float64, emulated."""
     calls, transposes = _watch_rows(monkeypatch, lambda name, args: args[2 if name == "dh" else 3].shape
                                     if name in ("dh", "x_fused_tp4", "fused_h", "dqkvg") else None)
-    monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, ("simple_gla", "fwd", "fused"), "x_fused_tp4")
-    assert tilelang_backend._stores_gate_rows(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), case.K)
-    errs = errors_against_float64(case, 43)
+    cfg = Config(experiments=((("simple_gla", "fwd", "fused"), "x_fused_tp4"),))
+    assert tilelang_backend._stores_gate_rows(configured(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), cfg), case.K)
+    errs = errors_against_float64(case, 43, backend=cfg)
     gates = {name: shapes[-1] for name, shapes in calls.items()}
     NT = case.B * -(-case.T // 64) if case.cu is None else None
     consumer = gates.pop("dqkvg")
@@ -112,12 +113,12 @@ SPLIT_CASES = [
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
 def test_simple_gla_forward_split_matches_float64(case, emulated, monkeypatch):
     """The forward with no gradient walks each sequence in pieces where the state pass's programs
-    are few (`SPLIT_PROGRAMS`): here 4 pieces of 2 chunks (the state pass gets B * 4 sequences,
+    are few (`Config.split_programs`): here 4 pieces of 2 chunks (the state pass gets B * 4 sequences,
     the first from h0, then `enter` adds the later pieces' entering states to their 6 chunks), and
     o, ht still match float64; with the split off, B sequences and no `enter`."""
     seqs = []
 
-    def record(target, results, *args, **attrs):
+    def record(_p, target, results, *args, **attrs):
         if target.endswith("_fused"):
             seqs.append(args[-1].shape[0])
         if target.endswith("_enter"):
@@ -125,13 +126,11 @@ def test_simple_gla_forward_split_matches_float64(case, emulated, monkeypatch):
         return kernel_emulator.call(target, results, *args, **attrs)
 
     monkeypatch.setattr(tilelang_backend, "_call", record)
-    monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
     diff, cot = make_inputs(case, 31)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     for programs, pieces in ((132, 4), (0, 1)):
-        monkeypatch.setattr(tilelang_backend, "SPLIT_PROGRAMS", programs)
         seqs.clear()
-        o, ht = forward_outputs(case, "tilelang")(diff)
+        o, ht = forward_outputs(case, Config(split_programs=programs, split_min_chunks=2))(diff)
         assert seqs == [case.B * pieces] + [("enter", case.B * 6)] * (pieces > 1)
         errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
         assert all(e <= (5e-3 if case.dtype == "bfloat16" else 1e-3) for e in errs.values()), (pieces, errs)
@@ -152,17 +151,17 @@ NO_H0_CASES = [
                          ids=["loss_of_o_ht", "loss_of_o", "loss_of_ht", "loss_of_o_xla_zeros"])
 @pytest.mark.parametrize("case", NO_H0_CASES, ids=str)
 def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows, emulated, monkeypatch):
-    """With no initial state and ZERO_ROW_H0 every forward program gets `h0` with no rows; with the
-    G_SCAN experiments put in place (`EXPERIMENT_OVERRIDES`) the programs that sum the gates per
+    """With no initial state and `Config.zero_row_h0` every forward program gets `h0` with no rows; with the
+    G_SCAN experiments put in place (`Config.experiments`) the programs that sum the gates per
     step run (simple GLA's state pass, the delta rules' inverse and training WY kernel), given the
     gates per step, and the WY VJP that sums their gradient back (`dg_sum`): o, ht (with and
-    without a gradient) and every gradient against float64, emulated. With ZERO_ROW_DHT too, under
+    without a gradient) and every gradient against float64, emulated. With `zero_row_dht` too, under
     losses of o and ht, of o alone (the final state's cotangent a symbolic zero: the reverse pass
     gets `dht` with no rows) and of ht alone (o's a symbolic zero); dh0 with no rows throughout.
     With both switches off (`zero_rows` false) XLA's zeros, rows for every sequence."""
     rows, names, reverse = [], [], []
 
-    def record(target, results, *args, **attrs):
+    def record(_p, target, results, *args, **attrs):
         names.append(target.rsplit("_c64_", 1)[1])
         if "_fwd_" in target and len(args) >= 3 and args[-1].dtype == jnp.int32 and args[-3].ndim == 4:
             rows.append(args[-3].shape[0])  # h0 [N0, H, K, V] before cstart, ccount
@@ -171,13 +170,10 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
         return kernel_emulator.call(target, results, *args, **attrs)
 
     monkeypatch.setattr(tilelang_backend, "_call", record)
-    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_H0", zero_rows)
-    monkeypatch.setattr(tilelang_backend, "ZERO_ROW_DHT", zero_rows)
-    monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
-    monkeypatch.setattr(tilelang_backend, "DELTA_GRADS_KERNEL", ())  # (the experiments stand in for the WY VJP of two programs)
-    for key, name in GATE_SCAN_EXPERIMENTS.items():
-        monkeypatch.setitem(tilelang_backend.EXPERIMENT_OVERRIDES, key, name)
-    errs = errors_against_float64(case, 41, terms=terms)
+    # (the experiments stand in for the WY VJP of two programs: `delta_grads_kernel` off)
+    cfg = Config(zero_row_h0=zero_rows, zero_row_dht=zero_rows, split_min_chunks=2, delta_grads_kernel=(),
+                 experiments=tuple(GATE_SCAN_EXPERIMENTS.items()))
+    errs = errors_against_float64(case, 41, backend=cfg, terms=terms)
     print(case, names, {n: f"{e:.1e}" for n, e in errs.items()})
     N = case.B if case.cu is None else len(case.cu) - 1
     assert rows and (set(rows) == {0} if zero_rows else 0 not in rows), rows  # (XLA's zeros: a row a sequence, or a piece)
@@ -206,13 +202,12 @@ def test_delta_glue_matches_float64(case, mode, emulated, monkeypatch):
     """The delta-rule path (WY preparation and sequential kernels, emulated here, around the XLA
     VJPs; or with the per-chunk VJP by the consumer kernel, and the WY VJP by its kernel, or the two
     in one program) against the float64 recurrence, outputs and every gradient."""
-    set_delta_bwd_mode(monkeypatch, mode)
     p = Problem(op=case.op, delta=True, chunk_size=64, dtype=case.dtype)
     call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
     assert _backends.resolve("auto", p, **call).name == "tilelang"
     diff, cot = make_inputs(case, 31)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
-    grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
+    grads, (o, ht) = loss_and_outputs(case, delta_bwd_config(mode))(diff, cot)
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
     errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
@@ -227,14 +222,14 @@ WY_ROWS_CASES = [*DELTA_CASES[:3], Case("gated_delta_rule", 2, 130, 2, 128, 128,
 def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
     """The delta rules' training WY kernel (`wy_t_l2`, use_qk_l2norm_in_kernel), consumer (`dqkvg_l2`;
     `dqkvg` without) and WY VJP (`wy_bwd_l2`, `wy_bwd`), or the two in one program (`grads_l2`,
-    `grads`; DELTA_GRADS_KERNEL), at K <= 128 taking G, beta and the norms' 1 / |q|, 1 / |k| as
+    `grads`; `Config.delta_grads_kernel`), at K <= 128 taking G, beta and the norms' 1 / |q|, 1 / |k| as
     per-chunk rows by TMA: G's the rows the forward formed for its WY kernel and
     kept (`_stores_gate_rows`: XLA transposes G once, in the forward; beta in the forward for the WY
     kernel and again in the backward, r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`;
     every gradient against float64 (emulated; the kernels' own check is the GPU tests, the columns'
     programs `x_wy_t_l2_cols`, `x_dqkvg_l2_cols`, `x_wy_bwd_l2_cols` beside them)."""
     consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if case.l2norm else ("dqkvg", "wy_bwd")
-    grads = "grads_l2" if case.l2norm else "grads"  # (the two in one program, DELTA_GRADS_KERNEL)
+    grads = "grads_l2" if case.l2norm else "grads"  # (the two in one program, `delta_grads_kernel`)
     # (the consumer's G and 1 / |q|, after q, k, v_new, G, h, do, dh; the WY VJP's G, beta and 1 / |k|, after dk0; the one
     # program's G, beta after q, k, v, v_new, and 1 / |q|, 1 / |k| after T, h, do, dh, du)
     picks = {consumer: lambda a: (a[3], *a[7 : 7 + case.l2norm]), wy: lambda a: (a[2], a[3], *a[8 : 8 + case.l2norm]),
@@ -250,7 +245,7 @@ def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
     assert sorted(s[1] for s in transposed) == sorted([HV, HV] + [HV, case.H, case.H] * case.l2norm), transposed
     NT = transposed[0][0] // 64
     rs = ((NT, case.H, 64),) * case.l2norm
-    if case.K in tilelang_backend.DELTA_GRADS_KERNEL:
+    if case.K in Config().delta_grads_kernel:
         want = {grads: [((NT, HV, 64), (NT, HV, 64), *rs, *rs)]}
     else:
         want = {consumer: [((NT, HV, 64), *rs)], wy: [((NT, HV, 64), (NT, HV, 64), *rs)]}
@@ -264,7 +259,7 @@ SUM_DOT_CASES = [ROWS_CASES[0], SPLIT_CASES[1], DELTA_CASES[1], WY_ROWS_CASES[-1
 
 @pytest.mark.parametrize("case", SUM_DOT_CASES, ids=str)
 def test_gates_summed_by_a_product_match_float64(case, emulated, monkeypatch):
-    """GATE_SUM_DOT: the gates' in-chunk sums and their VJP as XLA products with a triangle of ones, the
+    """`Config.gate_sum_dot`: the gates' in-chunk sums and their VJP as XLA products with a triangle of ones, the
     per-chunk rows that the programs load by TMA (`g_rows`) straight from the forward's product: XLA
     transposes G to rows nowhere (simple GLA: no transpose at all; the delta rules: one fewer than
     with the scan, beta's and the norms' left), and o, ht (with a gradient and without) and every
@@ -274,8 +269,7 @@ def test_gates_summed_by_a_product_match_float64(case, emulated, monkeypatch):
         tilelang_backend._partitioned_with.cache_clear()
         monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)  # (the transposes of this run alone)
         _, transposes[on] = _watch_rows(monkeypatch, lambda name, args: None)
-        monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", on)
-        errs[on] = errors_against_float64(case, 53)
+        errs[on] = errors_against_float64(case, 53, backend=Config(gate_sum_dot=on))
     print(case, transposes, {n: f"{e:.1e}" for n, e in errs[True].items()})
     if case.op == "simple_gla":
         assert len(transposes[False]) == 2 and transposes[True] == [], transposes
@@ -287,17 +281,16 @@ def test_gates_summed_by_a_product_match_float64(case, emulated, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(2, 192, 3), (256, 2)])
-def test_in_chunk_sums_by_a_product(shape, monkeypatch):
+def test_in_chunk_sums_by_a_product(shape):
     """`_in_chunk_cumsum` (both directions, chunk rows `[B, NT * C, H]` and flat `[NT * C, H]`) as a float32
     product equals the scan's within float32 rounding, `_in_chunk_rows` is the same in per-chunk rows
     (`_gate_rows`'s layout), and the product asks for full float32 (no TF32 on a GPU)."""
     g = jax.random.normal(jax.random.key(3), shape, jnp.float32)
     C = 64
     for reverse in (False, True):
-        monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", False)
-        want = tilelang_backend._in_chunk_cumsum(g, C, reverse)
-        monkeypatch.setattr(tilelang_backend, "GATE_SUM_DOT", True)
-        got = tilelang_backend._in_chunk_cumsum(g, C, reverse)
+        p = Problem(op="simple_gla", delta=False, chunk_size=C, dtype="bfloat16")
+        want = tilelang_backend._in_chunk_cumsum(configured(p, Config(gate_sum_dot=False)), g, C, reverse)
+        got = tilelang_backend._in_chunk_cumsum(configured(p, Config(gate_sum_dot=True)), g, C, reverse)
         assert got.shape == g.shape and float(jnp.max(jnp.abs(got - want))) <= 2e-5, float(jnp.max(jnp.abs(got - want)))
         rows = tilelang_backend._in_chunk_rows(g, C, reverse)
         assert jnp.array_equal(rows, tilelang_backend._gate_rows(got.reshape(-1, shape[-1]), C).reshape(rows.shape))
@@ -307,14 +300,14 @@ def test_in_chunk_sums_by_a_product(shape, monkeypatch):
 
 @pytest.mark.parametrize("case", [c for c in DELTA_CASES if c.l2norm] + [Case("gated_delta_rule", 1, 100, 1, 256, 256, HV=2, dtype="bfloat16", l2norm=True)], ids=str)
 def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
-    """use_qk_l2norm_in_kernel under a gradient: with DELTA_L2NORM_FUSED the WY kernel normalises q
+    """use_qk_l2norm_in_kernel under a gradient: with `Config.delta_l2norm_fused` the WY kernel normalises q
     and k (`wy_t_l2`, at K <= 128; a `norm` pass per tensor before it elsewhere), and the consumer
     and the WY VJP take the normalisation's gradient (`dqkvg_l2`, `wy_bwd_l2`, or the one program for
     both, `grads_l2`; at K = 256, where the consumer splits a row's channels, dq by `norm_bwd`);
     without it a `norm` and a `norm_bwd` pass per tensor; both against the float64 recurrence (emulated kernels)."""
     calls = []
 
-    def record(target, *args, **attrs):
+    def record(_p, target, *args, **attrs):
         calls.append(target.rsplit("_c64_", 1)[1])
         return kernel_emulator.call(target, *args, **attrs)
 
@@ -323,12 +316,11 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
     ref_g, _ = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
     for on in (True, False):
-        monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", on)
         jax.clear_caches()  # (an earlier test may have traced the same partitioned backward)
         calls.clear()
-        grads, _ = loss_and_outputs(case, "tilelang")(diff, cot)
+        grads, _ = loss_and_outputs(case, Config(delta_l2norm_fused=on))(diff, cot)
         bwd = [c for c in calls if c in ("dqkvg", "dqkvg_l2", "wy_bwd", "wy_bwd_l2", "norm_bwd", "grads", "grads_l2")]
-        if case.K in tilelang_backend.DELTA_GRADS_KERNEL:  # (the consumer and the WY VJP in one program)
+        if case.K in Config().delta_grads_kernel:  # (the consumer and the WY VJP in one program)
             want = ["grads_l2"] if on else ["grads", "norm_bwd", "norm_bwd"]
         else:
             want = (["dqkvg_l2" if case.K <= 128 else "dqkvg", "wy_bwd_l2"] + ["norm_bwd"] * (case.K > 128)) if on else ["dqkvg", "wy_bwd", "norm_bwd", "norm_bwd"]
@@ -344,14 +336,14 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
 @pytest.mark.parametrize("case", DELTA_CASES + [Case("gated_delta_rule", 1, 130, 1, 256, 256, HV=2, dtype="bfloat16", h0=True, l2norm=True)],
                          ids=str)
 def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypatch):
-    """DELTA_FWD_INVERSE: the forward with no gradient takes the gate-free inverse (`inv`) and the
+    """`Config.delta_fwd_inverse`: the forward with no gradient takes the gate-free inverse (`inv`) and the
     state pass that forms v_new from it (`fused_t`; with l2 normalisation `inv_l2` and
     `fused_t_l2` from the raw q and k; with V blocks of 32 for these few sequences and heads,
-    DELTA_NARROW_PROGRAMS, and of 64 without), emulated, against the float64 recurrence; switched
+    `Config.delta_narrow_programs`, and of 64 without), emulated, against the float64 recurrence; switched
     off, the WY kernel and the state pass on w and u."""
     calls = []
 
-    def record(target, *args, **attrs):
+    def record(_p, target, *args, **attrs):
         calls.append(target.rsplit("_c64_", 1)[1])
         return kernel_emulator.call(target, *args, **attrs)
 
@@ -360,7 +352,7 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
     # with use_qk_l2norm_in_kernel the inverse and its state pass normalise q and k themselves
-    # (DELTA_L2NORM_FUSED), else XLA does before them
+    # (`Config.delta_l2norm_fused`), else XLA does before them
     l2 = case.l2norm
     narrow = "_v32" if case.K <= 128 else ""  # (the narrow state pass is built where the inverse's path is taken)
     paths = [(True, True, wide, ["inv_l2", "fused_t_l2"] if l2 else ["inv", "fused_t"]) for wide in (True, False)]
@@ -368,13 +360,11 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
     for on, folded, wide, programs in paths:
         if not case.l2norm and not folded:
             continue
-        monkeypatch.setattr(tilelang_backend, "DELTA_FWD_INVERSE", HEAD_DIMS if on else ())
-        monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", folded)
-        monkeypatch.setattr(tilelang_backend, "DELTA_NARROW_PROGRAMS", 0 if wide else 132)
+        cfg = Config(delta_fwd_inverse=HEAD_DIMS if on else (), delta_l2norm_fused=folded, delta_narrow_programs=0 if wide else 132)
         if on and not wide:
             programs = [programs[0], programs[1] + narrow]
         calls.clear()
-        o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend="tilelang"))(diff)
+        o, ht = jax.jit(lambda d: OPS[case.op](**d, **static_kwargs(case), backend=cfg))(diff)
         assert calls == programs
         errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
         print(case, on, wide, {n: f"{e:.1e}" for n, e in errs.items()})
@@ -385,7 +375,7 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
 def test_glue_partitions_along_batch_and_heads(op, norm_fused, emulated, monkeypatch):
     """The backend's custom-partitioned forward and backward (emulated kernels) under an auto
     mesh with B and H sharded: same values as unsharded, no collectives in the compiled step
-    (GDN with use_qk_l2norm_in_kernel, with and without DELTA_L2NORM_FUSED: under a gradient its
+    (GDN with use_qk_l2norm_in_kernel, with and without `Config.delta_l2norm_fused`: under a gradient its
     forward also returns the normalised q, k and their 1 / |x|, `wy_t_l2`, or `norm` returns them).
     (With XLA's excess precision allowed, q's and k's gradients came out one bf16 rounding apart
     with the heads split: `tests/conftest.py` turns it off.)"""
@@ -394,10 +384,9 @@ def test_glue_partitions_along_batch_and_heads(op, norm_fused, emulated, monkeyp
     import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    monkeypatch.setattr(tilelang_backend, "DELTA_L2NORM_FUSED", norm_fused)
     case = Case(op, 4, 100, 4, 64, 64, dtype="bfloat16", h0=True, l2norm=op == "gated_delta_rule")
     diff, cot = make_inputs(case, 41)
-    step = loss_and_outputs(case, "tilelang")
+    step = loss_and_outputs(case, Config(delta_l2norm_fused=norm_fused))
     want_g, (want_o, want_ht) = step(diff, cot)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
     spec = {"q": P("data", None, "model"), "k": P("data", None, "model"), "v": P("data", None, "model"),
@@ -415,7 +404,7 @@ def test_glue_partitions_along_batch_and_heads(op, norm_fused, emulated, monkeyp
 
 
 def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
-    """Simple GLA's forward in pieces (`SPLIT_PROGRAMS`) under an auto mesh with B and H sharded:
+    """Simple GLA's forward in pieces (`Config.split_programs`) under an auto mesh with B and H sharded:
     each device splits its own sequences (2 of them, one head: 4 pieces of 2 chunks); the same
     values as unsharded, no collectives."""
     import re
@@ -423,10 +412,9 @@ def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    monkeypatch.setattr(tilelang_backend, "SPLIT_MIN_CHUNKS", 2)
     pieces = []
 
-    def record(target, results, *args, **attrs):
+    def record(_p, target, results, *args, **attrs):
         if target.endswith("_fused"):
             pieces.append(args[-1].shape[0] * 64 * 8 // args[0].shape[0])  # pieces a sequence (of 8 chunks)
         return kernel_emulator.call(target, results, *args, **attrs)
@@ -434,7 +422,7 @@ def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "_call", record)
     case = Case("simple_gla", 4, 64 * 8, 4, 64, 64, dtype="bfloat16", h0=True)
     diff, _ = make_inputs(case, 43)
-    fwd = forward_outputs(case, "tilelang")
+    fwd = forward_outputs(case, Config(split_min_chunks=2))
     want_o, want_ht = fwd(diff)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
     spec = {"q": P("data", None, "model"), "k": P("data", None, "model"), "v": P("data", None, "model"),
@@ -453,7 +441,7 @@ def test_wy_vjp_matches_autodiff(H, HV, monkeypatch):
     """`_wy_vjp` (the WY preparation's VJP from the kernel's stored T) against JAX's VJP of the
     xla backend's WY math, float32 at HIGHEST precision, tight tolerance: catches a wrong term
     that the end-to-end tests' bf16 tolerance could hide."""
-    monkeypatch.setattr(tilelang_backend, "VJP_PRECISION", jax.lax.Precision.HIGHEST)
+    p = configured(Problem(op="gated_delta_rule", delta=True, chunk_size=64, dtype="float32"), Config(vjp_precision=jax.lax.Precision.HIGHEST))
     C, K, V, L = 64, 32, 16, 128
     ks = jax.random.split(jax.random.key(7), 6)
     k = jax.random.normal(ks[0], (L, H, K)) / K**0.5
@@ -471,7 +459,7 @@ def test_wy_vjp_matches_autodiff(H, HV, monkeypatch):
 
     want = jax.vjp(prepare, k, v, G, beta)[1]((dw, du))
     _, _, Tm = kernel_emulator.delta_wy_t(k, v, G, beta)
-    got = tilelang_backend._wy_vjp(C, Tm, k, v, G, beta, dw, du)
+    got = tilelang_backend._wy_vjp(p, C, Tm, k, v, G, beta, dw, du)
     errs = {n: err_ratio(a, b) for n, a, b in zip(("dk", "dv", "dG", "dbeta"), want, got)}
     assert all(e <= 1e-5 for e in errs.values()), errs
 
@@ -531,7 +519,7 @@ def test_hostile_traced_cu_seqlens_reach_no_kernel(op, emulated, monkeypatch):
 
     tables = []
 
-    def record(target, results, *args, **attrs):
+    def record(_p, target, results, *args, **attrs):
         ints = [a for a in args if a.dtype == jnp.int32 and a.ndim == 1]
         rows = max(a.shape[0] for a in args if a.ndim >= 2 and a.dtype != jnp.int32)
         if len(ints) == 2:  # (the tables' values as the program would get them)
@@ -619,8 +607,8 @@ TILED_CASES = [
 def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
     """K != V (and K, V off the built head dims) on the square programs: V in parts as value heads, or
     (gated ops) K in parts whose outputs are summed, zeros padding the rest; outputs, the final state
-    and every gradient against the float64 recurrence, with every kernel output NaN-poisoned."""
-    monkeypatch.setattr(tilelang_backend, "POISON_OUTPUTS", True)
+    and every gradient against the float64 recurrence (emulated; NaN-poisoned on the GPU:
+    test_tilelang_tiled_head_dims_match_float64)."""
     delta = case.op in ("delta_rule", "gated_delta_rule")
     p = Problem(op=case.op, delta=delta, chunk_size=64, dtype=case.dtype)
     call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
@@ -630,7 +618,7 @@ def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
     diff, cot = make_inputs(case, 41)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     shapes = []
-    record = lambda target, results, *a, **kw: shapes.append(target) or kernel_emulator.call(target, results, *a, **kw)
+    record = lambda _p, target, results, *a, **kw: shapes.append(target) or kernel_emulator.call(target, results, *a, **kw)
     monkeypatch.setattr(tilelang_backend, "_call", record)
     grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
     assert shapes and all(f"_k{t.D}_v{t.D}_" in n for n in shapes), shapes  # (the square programs ran)
