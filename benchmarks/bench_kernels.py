@@ -15,6 +15,7 @@ import numpy as np
 
 from bench import _jax_time
 from fla_jax import tilelang_backend as tb
+from fla_jax._tilelang import common, delta, runtime
 from fla_jax._problem import Problem
 
 
@@ -42,22 +43,22 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     s = np.float32(D**-0.5)
     p = Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
-    run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: tb._call(p, tb._targets(p, direction, D, D)[name], results, *b, **kw))(*a)
+    run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: runtime.call(p, common.targets(p, direction, D, D)[name], results, *b, **kw))(*a)
     # the consumer's dv (and but for GLA dg): whole, or in float32 parts where it splits the key channels
-    parts = tb._value_parts(p, D, D)
+    parts = common.value_parts(p, D, D)
     split = lambda a: like(a) if parts == 1 else jax.ShapeDtypeStruct((parts, *a.shape), jnp.float32)
-    gates = lambda direction, name: tb._gates_for(p, direction, D, name, G, 64)  # columns, or per-chunk rows (`g_rows`)
+    gates = lambda direction, name: common.gates_for(p, direction, D, name, G, 64)  # columns, or per-chunk rows (`g_rows`)
     r = jnp.ones(G.shape, jnp.float32)  # 1 / |x| of rows already normalised
     if op == "simple_gla":
         h = run("fwd", "fused_h", (like(v), state, final), q, k, v, gates("fwd", "fused_h"), h0, cstart, ccount, scale=s)[1]
-        # `enter`: each sequence's second half as a later piece (`tilelang_backend._split_forward`), o updated in place
+        # `enter`: each sequence's second half as a later piece (`simple_gla.split_forward`), o updated in place
         NS, M = B, T // 128
         first = jnp.arange(B, dtype=jnp.int32) * (T // 64) + M
         enter = (jnp.zeros((NS, M, H), jnp.float32), jnp.asarray(rng.standard_normal((NS, H, D, D)) * 0.1, dtype))
         calls = {  # program kind: (results, args, attrs)
             "fused_h": ((like(v), state, final), (q, k, v, gates("fwd", "fused_h"), h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), final), (q, k, v, gates("fwd", "fused"), h0, cstart, ccount), {"scale": s}),
-            "enter": (like(v), (q, tb._gate_rows(G, 64), *enter, first), {"scale": s, "init": (jnp.zeros_like(v),)}),
+            "enter": (like(v), (q, common.gate_rows(G, 64), *enter, first), {"scale": s, "init": (jnp.zeros_like(v),)}),
             "dh": ((state, final), (q, do, gates("bwd", "dh"), h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), split(v), split(G)), (q, k, v, G, h, do, h), {"scale": s}),
         }
@@ -109,20 +110,20 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         calls["wy_bwd_l2"] = ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k, r), {})
         if D <= 128:  # the consumer and the WY VJP in one program (G, beta and r as per-chunk rows; u standing in for du)
             grads = (like(q), like(k), like(v), col32, col32)
-            rows_of = lambda *a: tuple(tb._gate_rows(x, 64) for x in a)
+            rows_of = lambda *a: tuple(common.gate_rows(x, 64) for x in a)
             calls["grads"] = (grads, (q, k, v, v, *rows_of(G, beta), Tm, h, do, h, u), {"scale": s})
             calls["grads_l2"] = (grads, (q, k, v, v, *rows_of(G, beta), Tm, h, do, h, u, *rows_of(r, r)), {"scale": s})
         # the state passes from the inverse in V blocks of 32 take their V-64 twins' inputs
         calls |= {f"{n}_v32": calls[n] for n in ("fused_t", "fused_t_l2") if n in calls}
         f32 = lambda a: a.astype(jnp.float32)
         at = lambda prec: tb.configured(p, tb.Config(vjp_precision=prec))
-        local = lambda prec: jax.jit(lambda *a: jax.vjp(lambda *b: tb._delta_local(at(prec), 64, float(s), *b), *a[:6])[1](a[6:]))
+        local = lambda prec: jax.jit(lambda *a: jax.vjp(lambda *b: delta.chunk_local(at(prec), 64, float(s), *b), *a[:6])[1](a[6:]))
         dw, du = (jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (w, u))
         presets = jax.lax.DotAlgorithmPreset
         for prec in (tb.DEFAULT.vjp_precision, jax.lax.Precision.HIGHEST, presets.BF16_BF16_F32_X6, presets.BF16_BF16_F32)[: 4 * xla]:
             name = getattr(prec, "name", str(prec))
             yield f"xla:local_vjp:{name}", local(prec), (f32(q), f32(k), f32(w), f32(u), G, h, f32(do), f32(h))
-            yield f"xla:wy_vjp:{name}", jax.jit(lambda *a, prec=prec: tb._wy_vjp(at(prec), 64, *a)), (Tm, k, v, G, beta, dw, du)
+            yield f"xla:wy_vjp:{name}", jax.jit(lambda *a, prec=prec: delta.wy_vjp(at(prec), 64, *a)), (Tm, k, v, G, beta, dw, du)
     for direction in ("fwd", "bwd"):
         variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.declared:
@@ -132,7 +133,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             config = dict(prog.config)
             i = GATE_ARGS.get(op, {}).get(prog.kind)
             if i is not None:  # the gates as this program takes them: per step (`g_scan`), as per-chunk rows (`g_rows`), or G
-                gate = steps.reshape(B * T, H) if config.get("g_scan") else tb._gate_rows(G, 64) if config.get("g_rows") else G
+                gate = steps.reshape(B * T, H) if config.get("g_scan") else common.gate_rows(G, 64) if config.get("g_rows") else G
                 args = (*args[:i], gate, *args[i + 1 :])
             if config.get("g_scan") and prog.kind.startswith("wy_t"):  # (the WY kernel summing the gates also writes G, its rows)
                 results = (*results, jax.ShapeDtypeStruct((B * T, H), jnp.float32), jax.ShapeDtypeStruct((B * T // 64, H, 64), jnp.float32))
@@ -144,12 +145,12 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             a_x, G_x = run("fwd", "a", am, q, k, gk * factor, scale=s)[:2]
             for direction, name, args in (("fwd", "a", (q, k, gk * factor)), ("bwd", "dqkvg", (q, k, v, G_x, a_x, h, do, h))):
                 results, _, attrs = calls[name]
-                yield f"{direction}:{name}@{label}", _kernel(p, tb._targets(p, direction, D, D)[name], results, attrs), args
+                yield f"{direction}:{name}@{label}", _kernel(p, common.targets(p, direction, D, D)[name], results, attrs), args
 
 
 def _kernel(p, target, results, attrs):
     """One program of call `p` as a jitted call of its inputs."""
-    return jax.jit(lambda *a: tb._call(p, target, results, *a, **attrs))
+    return jax.jit(lambda *a: runtime.call(p, target, results, *a, **attrs))
 
 
 def main(argv=None):

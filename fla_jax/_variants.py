@@ -182,7 +182,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # `chunk_delta_fwd_t` in three warpgroups with one load stage and S: inv + fused_t 0.052 + 0.359 ms against
         # wy + fused 0.119 + 0.215 at 4,4096,8,256 bf16, H200, 2026-12-04.)
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t_wide", outputs=("o", "ht"), dims=(256,)),
-        # where V blocks of 64 leave half the SMs idle (few sequences and heads: `tilelang_backend._state_pass_t`),
+        # where V blocks of 64 leave half the SMs idle (few sequences and heads: `fla_jax._tilelang.delta.state_pass_t`),
         # V blocks of 32, twice the programs, warpgroup 0 carrying S (S^T [32, K] would be no tensor-core
         # GEMM's left operand: M >= 64): 0.231 against 0.256 ms at 2,8192,16,128 (0.232 against 0.135 at
         # 4,4096,16,128, where the programs fill the SMs; bf16, H200, 2026-12-04); with l2norm below

@@ -513,7 +513,7 @@ BUILT = _programs()
 
 
 def call(target, results, *args, init=None, **attrs):
-    """Drop-in for fla_jax.tilelang_backend._call."""
+    """Drop-in for fla_jax._tilelang.runtime.call (less its first argument, the call)."""
     args = (*args, *(init or ()))
     kind, config = BUILT[target]
     sums = ()

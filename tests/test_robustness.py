@@ -174,17 +174,17 @@ def test_numpy_bools_are_flags():
 
 def test_tilelang_reason_without_the_extension_says_not_built(monkeypatch):
     """Without a built extension the tilelang backend says so (it once showed a circular-import message)."""
-    from fla_jax import tilelang_backend
+    from fla_jax._tilelang import runtime
 
-    ext, why = tilelang_backend._load_extension("fla_jax._not_built_ext")
+    ext, why = runtime.load_extension("fla_jax._not_built_ext")
     assert ext is None and why == "fla_jax._not_built_ext is not built", why
-    monkeypatch.setattr(tilelang_backend, "_ext", None)
-    monkeypatch.setattr(tilelang_backend, "IMPORT_ERROR", why)
-    tilelang_backend.status.cache_clear()
+    monkeypatch.setattr(runtime, "_ext", None)
+    monkeypatch.setattr(runtime, "IMPORT_ERROR", why)
+    runtime.status.cache_clear()
     try:
         reason = fla_jax.backends()["tilelang"].reason
     finally:
-        tilelang_backend.status.cache_clear()
+        runtime.status.cache_clear()
     assert "not built" in reason and "circular" not in reason, reason
 
 

@@ -17,6 +17,7 @@ from cases import DELTA_BWD_MODES, delta_bwd_config, GATE_SCAN_EXPERIMENTS, OPS,
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _problem, tilelang_backend
+from fla_jax._tilelang import common, delta, runtime
 from fla_jax.tilelang_backend import Config
 from fla_jax import _variants as variants
 
@@ -347,7 +348,7 @@ def test_tilelang_without_initial_state(case, scan):
 
 def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None = None):
     """(results, args, attrs) for one program kind on 2 sequences of 192 and 320 tokens, as the
-    program of that kind that runs (`tilelang_backend._program`: an experiment where
+    program of that kind that runs (`common.program`: an experiment where
     `Config.experiments` puts one in its place) takes them: the gates summed in chunks (columns,
     or per-chunk rows), or per step where it sums them itself."""
     rng = np.random.default_rng(5)
@@ -360,9 +361,9 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
     per_chunk = lambda a: jnp.moveaxis(a.reshape(NT, 64, H), 1, 2)  # [L, H] -> rows [NT, H, 64]
     prob = tilelang_backend.configured(_problem.Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype), cfg)
-    gates_for = lambda direction: tilelang_backend._gates_for(prob, direction, D, name, G, 64)  # G as program `name` takes it
+    gates_for = lambda direction: common.gates_for(prob, direction, D, name, G, 64)  # G as program `name` takes it
     # the forward's program `name` takes the gates per step (and sums them itself)
-    takes_steps = lambda: tilelang_backend._config(prob, "fwd", D, name).get("g_scan")
+    takes_steps = lambda: common.program_config(prob, "fwd", D, name).get("g_scan")
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, gates_for("bwd"), dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
@@ -423,31 +424,31 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
         tm = jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32)
         sums = (like(G), jax.ShapeDtypeStruct((NT, H, 64), jnp.float32)) if takes_steps() else ()  # (and G, its rows)
         if not takes_steps():  # (G and beta as per-chunk rows where it loads them so)
-            gates, beta = gates_for("fwd"), *tilelang_backend._steps_for(prob, "fwd", D, name, 64, beta)
+            gates, beta = gates_for("fwd"), *common.steps_for(prob, "fwd", D, name, 64, beta)
         return (like(k), like(v), tm, like(q), like(k), r, r, *sums), (q, k, v, gates, beta), {}
     if op in ("simple_gla", "delta") and name in ("dqkvg", "dqkvg_l2"):  # the consumer (the delta rules': on v_new, k unit rows)
         q, k, v, do, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         k = unit(k) if op == "delta" else k
         dv = () if op == "delta" else (like(v),)  # (the delta rules' reverse pass stores it)
         rq = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "dqkvg_l2" else ()  # (q the normalised y)
-        rq = tilelang_backend._steps_for(prob, "bwd", D, name, 64, *rq)  # (G and r as per-chunk rows where it loads them so)
+        rq = common.steps_for(prob, "bwd", D, name, 64, *rq)  # (G and r as per-chunk rows where it loads them so)
         return (like(q), like(k), *dv, like(G)), (q, k, v, gates_for("bwd"), h, do, dh, *rq), {"scale": np.float32(D**-0.5)}
     if op == "delta" and name in ("wy_bwd", "wy_bwd_l2"):  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        t = jax.jit(lambda *a: tilelang_backend._call(POISONED, tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: runtime.call(POISONED, common.targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
         rk = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "wy_bwd_l2" else ()  # (k the normalised y)
         # (G, beta and r as per-chunk rows where it loads them so)
-        sums, rk = (gates_for("bwd"), *tilelang_backend._steps_for(prob, "bwd", D, name, 64, beta)), tilelang_backend._steps_for(prob, "bwd", D, name, 64, *rk)
+        sums, rk = (gates_for("bwd"), *common.steps_for(prob, "bwd", D, name, 64, beta)), common.steps_for(prob, "bwd", D, name, 64, *rk)
         return (like(k), like(v), like(G), like(G)), (k, v, *sums, t, h, du, dk0, *rk), {}
     if op == "delta" and name in ("grads", "grads_l2"):  # the consumer and the WY VJP in one program: both's inputs
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        t = jax.jit(lambda *a: tilelang_backend._call(POISONED, tilelang_backend._targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: runtime.call(POISONED, common.targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         q, vn, do, du, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         rs = tuple(jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32) for _ in range(2 if name == "grads_l2" else 0))
-        sums, rs = (gates_for("bwd"), *tilelang_backend._steps_for(prob, "bwd", D, name, 64, beta)), tilelang_backend._steps_for(prob, "bwd", D, name, 64, *rs)
+        sums, rs = (gates_for("bwd"), *common.steps_for(prob, "bwd", D, name, 64, beta)), common.steps_for(prob, "bwd", D, name, 64, *rs)
         return (like(q), like(k), like(v), like(G), like(G)), (q, k, v, vn, *sums, t, h, do, dh, du, *rs), {"scale": np.float32(D**-0.5)}
     raise NotImplementedError(f"no inputs for {op} {name}: add them here")
 
@@ -471,7 +472,7 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog):
     # the same inputs as the experiment takes them (the gates per step where it sums them, or as rows: the inputs
     # formed with it in its kind's place; the training WY kernel summing the gates also writes G and its rows)
     results2, args2 = _program_inputs(op, main.name, variants.DTYPES[dt], K, Config(experiments=(((op, direction, prog.kind), prog.name),)))[:2]
-    run = lambda p, r, a: jax.jit(lambda *a: tilelang_backend._call(POISONED, variant.target(p), r, *a, **attrs))(*a)
+    run = lambda p, r, a: jax.jit(lambda *a: runtime.call(POISONED, variant.target(p), r, *a, **attrs))(*a)
     want = run(main, results, args)
     if len(results2) > len(results):  # G (the main program's input, as columns) and its rows [NT, H, 64]
         G = kernel_emulator._gate_columns(args[3])
@@ -509,11 +510,11 @@ def test_delta_grads_program_matches_the_two_it_fuses(K, l2norm, dtype):
     results, args, attrs = _program_inputs("delta", name, dtype, K)
     q, k, v, vn, g, beta, t, h, do, dh, du, *rs = args
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-    bwd = tilelang_backend._targets(p, "bwd", K, K)
-    call = lambda target, res, *a, **kw: jax.jit(lambda *a: tilelang_backend._call(POISONED, target, res, *a, **kw))(*a)
+    bwd = common.targets(p, "bwd", K, K)
+    call = lambda target, res, *a, **kw: jax.jit(lambda *a: runtime.call(POISONED, target, res, *a, **kw))(*a)
     got = call(bwd[name], results, *args, **attrs)
     consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if l2norm else ("dqkvg", "wy_bwd")
-    assert all(tilelang_backend._config(p, "bwd", K, n).get("g_rows") for n in (consumer, wy)), "G and beta as rows for all three"
+    assert all(common.program_config(p, "bwd", K, n).get("g_rows") for n in (consumer, wy)), "G and beta as rows for all three"
     dq, dk0, dg0 = call(bwd[consumer], results[:2] + results[3:4], q, k, vn, g, h, do, dh, *rs[:1], **attrs)
     dk, dv, dg1, dbeta = call(bwd[wy], results[1:], k, v, g, beta, t, h, du, dk0, *rs[1:])
     want = (dq, dk, dv, dg0 + dg1, dbeta)
@@ -541,7 +542,7 @@ def test_delta_wy_inverse_against_float64(K):
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
     results = (like(k), like(v), jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32))
-    _, _, t = jax.jit(lambda *a: tilelang_backend._call(POISONED, tilelang_backend._targets(p, "fwd", K, K)["wy_t"], results, *a))(k, v, G, beta)
+    _, _, t = jax.jit(lambda *a: runtime.call(POISONED, common.targets(p, "fwd", K, K)["wy_t"], results, *a))(k, v, G, beta)
     kc = np.asarray(k, np.float64).reshape(NT, 64, H, K).transpose(0, 2, 1, 3)
     g = np.asarray(G, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
     b = np.asarray(beta, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
@@ -635,7 +636,7 @@ def test_gla_gates_at_scale(K):
     flat = lambda x: jnp.asarray(x).reshape(B * T, H, K)
     results = (jax.ShapeDtypeStruct((B * T // 64, H, 64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((B * T, H, K), jnp.float32),
                jax.ShapeDtypeStruct((B * T, H, K), jnp.bfloat16), jax.ShapeDtypeStruct((B * T, H, K), jnp.bfloat16))
-    run = jax.jit(lambda *a: tilelang_backend._call(POISONED, variant.target(prog), results, *a, scale=np.float32(K**-0.5)))
+    run = jax.jit(lambda *a: runtime.call(POISONED, variant.target(prog), results, *a, scale=np.float32(K**-0.5)))
     G = np.asarray(run(flat(q), flat(k), flat(g))[1])
     ref = np.cumsum(g.astype(np.float64).reshape(-1, 64, H, K), axis=1).reshape(G.shape)
     assert np.max(np.abs(G - ref) / (1 + np.abs(ref))) < 1e-5
@@ -1104,8 +1105,8 @@ def test_delta_narrow_state_pass_where_programs_leave_sms_idle(l2norm):
     wide = "fused_t_l2" if l2norm else "fused_t"
     for (N, HV, D), want in (((2, 16, 128), wide + "_v32"), ((4, 16, 64), wide + "_v32"), ((4, 16, 128), wide), ((8, 16, 64), wide),
                              ((1, 1, 256), wide), ((66, 1, 64), wide + "_v32"), ((67, 1, 64), wide)):
-        targets = tilelang_backend._targets(p, "fwd", D, D)
-        assert tilelang_backend._state_pass_t(Config(), targets, l2norm, N, HV, D) == want, (N, HV, D)
+        targets = common.targets(p, "fwd", D, D)
+        assert delta.state_pass_t(Config(), targets, l2norm, N, HV, D) == want, (N, HV, D)
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])

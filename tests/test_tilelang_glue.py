@@ -11,6 +11,7 @@ from cases import DELTA_BWD_MODES, delta_bwd_config, GATE_SCAN_EXPERIMENTS, OPS,
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _backends, _tiling, tilelang_backend, xla
+from fla_jax._tilelang import common, delta, runtime, simple_gla
 from fla_jax._problem import Problem
 from fla_jax.tilelang_backend import Config, configured
 from fla_jax._variants import HEAD_DIMS, VARIANTS
@@ -34,7 +35,7 @@ def emulated(monkeypatch):
     # (the partitioned functions are cached with what they traced: a test that records the kernels' calls
     # starts from none)
     tilelang_backend._partitioned_with.cache_clear()
-    monkeypatch.setattr(tilelang_backend, "_call", lambda _p, *a, **kw: kernel_emulator.call(*a, **kw))
+    monkeypatch.setattr(runtime, "call", lambda _p, *a, **kw: kernel_emulator.call(*a, **kw))
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     monkeypatch.setattr(tilelang_backend, "registered", lambda: [v.target(p) for v in VARIANTS for p in v.declared])
 
@@ -69,9 +70,9 @@ def _watch_rows(monkeypatch, pick):
         transposed.append(x.shape)
         return gate_rows_of(x, C)
 
-    gate_rows_of = tilelang_backend._gate_rows
-    monkeypatch.setattr(tilelang_backend, "_call", record)
-    monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)
+    gate_rows_of = common.gate_rows
+    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(common, "gate_rows", gate_rows)
     return calls, transposed
 
 
@@ -91,7 +92,7 @@ def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
     calls, transposes = _watch_rows(monkeypatch, lambda name, args: args[2 if name == "dh" else 3].shape
                                     if name in ("dh", "x_fused_tp4", "fused_h", "dqkvg") else None)
     cfg = Config(experiments=((("simple_gla", "fwd", "fused"), "x_fused_tp4"),))
-    assert tilelang_backend._stores_gate_rows(configured(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), cfg), case.K)
+    assert common.stores_gate_rows(configured(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), cfg), case.K)
     errs = errors_against_float64(case, 43, backend=cfg)
     gates = {name: shapes[-1] for name, shapes in calls.items()}
     NT = case.B * -(-case.T // 64) if case.cu is None else None
@@ -125,7 +126,7 @@ def test_simple_gla_forward_split_matches_float64(case, emulated, monkeypatch):
             seqs.append(("enter", args[2].shape[0] * args[2].shape[1]))
         return kernel_emulator.call(target, results, *args, **attrs)
 
-    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(runtime, "call", record)
     diff, cot = make_inputs(case, 31)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     for programs, pieces in ((132, 4), (0, 1)):
@@ -169,7 +170,7 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
             reverse.append((args[-3].shape[0], results[1].shape[0]))  # dht [ND, ...] before cstart, ccount; dh0 [N0, ...]
         return kernel_emulator.call(target, results, *args, **attrs)
 
-    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(runtime, "call", record)
     # (the experiments stand in for the WY VJP of two programs: `delta_grads_kernel` off)
     cfg = Config(zero_row_h0=zero_rows, zero_row_dht=zero_rows, split_min_chunks=2, delta_grads_kernel=(),
                  experiments=tuple(GATE_SCAN_EXPERIMENTS.items()))
@@ -264,10 +265,10 @@ def test_gates_summed_by_a_product_match_float64(case, emulated, monkeypatch):
     transposes G to rows nowhere (simple GLA: no transpose at all; the delta rules: one fewer than
     with the scan, beta's and the norms' left), and o, ht (with a gradient and without) and every
     gradient match float64 and the scan's results (emulated)."""
-    errs, transposes, gate_rows = {}, {}, tilelang_backend._gate_rows
+    errs, transposes, gate_rows = {}, {}, common.gate_rows
     for on in (False, True):
         tilelang_backend._partitioned_with.cache_clear()
-        monkeypatch.setattr(tilelang_backend, "_gate_rows", gate_rows)  # (the transposes of this run alone)
+        monkeypatch.setattr(common, "gate_rows", gate_rows)  # (the transposes of this run alone)
         _, transposes[on] = _watch_rows(monkeypatch, lambda name, args: None)
         errs[on] = errors_against_float64(case, 53, backend=Config(gate_sum_dot=on))
     print(case, transposes, {n: f"{e:.1e}" for n, e in errs[True].items()})
@@ -289,12 +290,12 @@ def test_in_chunk_sums_by_a_product(shape):
     C = 64
     for reverse in (False, True):
         p = Problem(op="simple_gla", delta=False, chunk_size=C, dtype="bfloat16")
-        want = tilelang_backend._in_chunk_cumsum(configured(p, Config(gate_sum_dot=False)), g, C, reverse)
-        got = tilelang_backend._in_chunk_cumsum(configured(p, Config(gate_sum_dot=True)), g, C, reverse)
+        want = common.in_chunk_cumsum(configured(p, Config(gate_sum_dot=False)), g, C, reverse)
+        got = common.in_chunk_cumsum(configured(p, Config(gate_sum_dot=True)), g, C, reverse)
         assert got.shape == g.shape and float(jnp.max(jnp.abs(got - want))) <= 2e-5, float(jnp.max(jnp.abs(got - want)))
-        rows = tilelang_backend._in_chunk_rows(g, C, reverse)
-        assert jnp.array_equal(rows, tilelang_backend._gate_rows(got.reshape(-1, shape[-1]), C).reshape(rows.shape))
-        hlo = jax.jit(tilelang_backend._in_chunk_rows, static_argnums=(1, 2)).lower(g, C, reverse).as_text()
+        rows = common.in_chunk_rows(g, C, reverse)
+        assert jnp.array_equal(rows, common.gate_rows(got.reshape(-1, shape[-1]), C).reshape(rows.shape))
+        hlo = jax.jit(common.in_chunk_rows, static_argnums=(1, 2)).lower(g, C, reverse).as_text()
         assert "HIGHEST" in hlo, hlo
 
 
@@ -311,7 +312,7 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
         calls.append(target.rsplit("_c64_", 1)[1])
         return kernel_emulator.call(target, *args, **attrs)
 
-    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(runtime, "call", record)
     diff, cot = make_inputs(case, 43)
     ref_g, _ = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
@@ -347,7 +348,7 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
         calls.append(target.rsplit("_c64_", 1)[1])
         return kernel_emulator.call(target, *args, **attrs)
 
-    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(runtime, "call", record)
     diff, cot = make_inputs(case, 37)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
@@ -419,7 +420,7 @@ def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
             pieces.append(args[-1].shape[0] * 64 * 8 // args[0].shape[0])  # pieces a sequence (of 8 chunks)
         return kernel_emulator.call(target, results, *args, **attrs)
 
-    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(runtime, "call", record)
     case = Case("simple_gla", 4, 64 * 8, 4, 64, 64, dtype="bfloat16", h0=True)
     diff, _ = make_inputs(case, 43)
     fwd = forward_outputs(case, Config(split_min_chunks=2))
@@ -459,7 +460,7 @@ def test_wy_vjp_matches_autodiff(H, HV, monkeypatch):
 
     want = jax.vjp(prepare, k, v, G, beta)[1]((dw, du))
     _, _, Tm = kernel_emulator.delta_wy_t(k, v, G, beta)
-    got = tilelang_backend._wy_vjp(p, C, Tm, k, v, G, beta, dw, du)
+    got = delta.wy_vjp(p, C, Tm, k, v, G, beta, dw, du)
     errs = {n: err_ratio(a, b) for n, a, b in zip(("dk", "dv", "dG", "dbeta"), want, got)}
     assert all(e <= 1e-5 for e in errs.values()), errs
 
@@ -526,7 +527,7 @@ def test_hostile_traced_cu_seqlens_reach_no_kernel(op, emulated, monkeypatch):
             jax.debug.callback(lambda cstart, ccount: tables.append((target, (cstart, ccount), rows)), *ints)
         return kernel_emulator.call(target, results, *args, **attrs)
 
-    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(runtime, "call", record)
     case = Case(op, 1, T, 2, 64, 64, dtype="bfloat16", cu=VALID_CU, h0=True)
     diff, cot = make_inputs(case, 3)
     run = jax.jit(lambda d, c, cu: _grads_with_cu(case, d, c, cu))
@@ -619,7 +620,7 @@ def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     shapes = []
     record = lambda _p, target, results, *a, **kw: shapes.append(target) or kernel_emulator.call(target, results, *a, **kw)
-    monkeypatch.setattr(tilelang_backend, "_call", record)
+    monkeypatch.setattr(runtime, "call", record)
     grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
     assert shapes and all(f"_k{t.D}_v{t.D}_" in n for n in shapes), shapes  # (the square programs ran)
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
