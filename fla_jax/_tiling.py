@@ -72,13 +72,10 @@ def tiling(op: str, K: int, V: int, head_dims: tuple[int, ...]) -> Tiling | str:
 
 
 def _copies(x, n: int):
-    """`x [B, T, H, ...]` with each head repeated `n` times in a row (head `h n + j` is copy j of head h),
-    as `jnp.repeat(x, n, axis=2)` gives, by a concatenation: XLA emits that repeat as a standalone broadcast
-    that ran ~4x slower than a copy's bandwidth on an H100 (80 us for 32 MB)."""
-    if n == 1:
-        return x
-    y = jnp.concatenate([jnp.expand_dims(x, 3)] * n, axis=3)
-    return y.reshape(*x.shape[:2], x.shape[2] * n, *x.shape[3:])
+    """`x [B, T, H, ...]` with each head repeated `n` times in a row (head `h n + j` is copy j of head h).
+    XLA's broadcast for it is no bandwidth-bound copy (~4x slower), yet a concatenation of the copies measured
+    slower still in the op (benchmarks/RESULTS.md); the kernels reading q/k head `h // n` would need none."""
+    return x if n == 1 else jnp.repeat(x, n, axis=2)
 
 
 def fold(t: Tiling, *, delta: bool, q, k, v, g, beta, h0):
