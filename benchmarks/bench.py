@@ -88,9 +88,10 @@ def _jax_time(fn, args, reps=10, inner=10):
     return statistics.median(_jax_samples(fn, args, reps, inner))
 
 
-def _jax_fns(impl, op, config=None):
+def _jax_fns(impl, op, config=None, segment_ids=None):
     """`(call(q, k, v, g, beta) -> o, names of differentiable gates)` for one JAX implementation; `config`:
-    fla_jax's tilelang backend so configured (a `fla_jax.TileLangConfig`)."""
+    fla_jax's tilelang backend so configured (a `fla_jax.TileLangConfig`); `segment_ids`: packed rows."""
+    seg = {} if segment_ids is None else {"segment_ids": segment_ids}
 
     lib, _, backend = impl.partition(":")
     backend, _, options = backend.partition("+")
@@ -115,11 +116,12 @@ def _jax_fns(impl, op, config=None):
         import fla_jax
 
         f = {
-            "simple_gla": lambda q, k, v, g, beta: fla_jax.chunk_simple_gla(q, k, v, g, backend=backend),
-            "gla": lambda q, k, v, g, beta: fla_jax.chunk_gla(q, k, v, g, backend=backend),
-            "delta_rule": lambda q, k, v, g, beta: fla_jax.chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True, backend=backend),
+            "simple_gla": lambda q, k, v, g, beta: fla_jax.chunk_simple_gla(q, k, v, g, backend=backend, **seg),
+            "gla": lambda q, k, v, g, beta: fla_jax.chunk_gla(q, k, v, g, backend=backend, **seg),
+            "delta_rule": lambda q, k, v, g, beta: fla_jax.chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True, backend=backend,
+                                                                            **seg),
             "gated_delta_rule": lambda q, k, v, g, beta: fla_jax.chunk_gated_delta_rule(
-                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend, **seg
             ),
         }[op]
         return lambda *a: f(*a)[0]
@@ -129,7 +131,7 @@ def _jax_fns(impl, op, config=None):
         kind = {"simple_gla": "simple_gla", "gla": "gla", "delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet"}[op]
 
         def f(q, k, v, g, beta):
-            kw = {}
+            kw = dict(seg)
             if g is not None:
                 kw["g"] = g
             if beta is not None:
@@ -241,16 +243,22 @@ def _alternative(spec: str):
 
 def jax_step(impl, op, shape, config=None):
     """`(fwd, fwdbwd, args)`: the jitted forward and training step (loss and gradients) of one
-    JAX implementation on the benchmark's inputs."""
+    JAX implementation on the benchmark's inputs; `IMPL~segN` (`fla_jax:tilelang~seg8`, `jla:mosaic_gpu~seg8`):
+    each row packed as N equal segments (`segment_ids`)."""
     import jax
     import jax.numpy as jnp
 
+    impl, _, nseg = impl.partition("~seg")
+    segment_ids = None
+    if nseg:
+        B, T = shape[0], shape[1]
+        segment_ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) * int(nseg) // T, (B, T))
     x = make_inputs(op, *shape)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     q, k, v, do = bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["do"])
     g = None if "g" not in x else jnp.asarray(x["g"])
     beta = None if "beta" not in x else jnp.asarray(x["beta"])
-    call = _jax_fns(impl, op, config)
+    call = _jax_fns(impl, op, config, segment_ids)
     fwd = jax.jit(call)
     argnums = (0, 1, 2) + ((3,) if g is not None else ()) + ((4,) if beta is not None else ())
     # value_and_grad: a training step needs the loss, so the forward output is computed too (with

@@ -1,7 +1,8 @@
 """Flax NNX layers built on the ops, shaped as fla's `GatedDeltaNet` and `GatedLinearAttention`.
 
-Both take `x [B, T, D]` and return `[B, T, D]`; with `cu_seqlens` (B = 1, packed sequences) the
-short convolutions and the recurrence restart at every sequence boundary. `dtype` is the
+Both take `x [B, T, D]` and return `[B, T, D]`; with `cu_seqlens` (B = 1, packed sequences) or
+`segment_ids [B, T]` (packed rows, any B) the short convolutions and the recurrence restart at every
+sequence boundary. `dtype` is the
 projections' compute dtype (parameters stay float32): `jnp.bfloat16` for mixed-precision training,
 which is what the TileLang kernels take (they are built for bfloat16 and float16 only).
 """
@@ -14,7 +15,7 @@ from flax import nnx
 
 from typing import NamedTuple
 
-from fla_jax import _layout
+from fla_jax import _layout, _segments
 from fla_jax.ops import chunk_gated_delta_rule, chunk_gla
 from fla_jax.recurrent import fused_recurrent_gated_delta_rule, fused_recurrent_gla
 
@@ -56,8 +57,10 @@ def _head_dim(head_dim: int, expand, name: str) -> int:
     return int(d)
 
 
-def _positions(T: int, cu_seqlens: jax.Array | None) -> jax.Array:
-    """Position of each token inside its own sequence, `[T]`."""
+def _positions(T: int, cu_seqlens: jax.Array | None, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Position of each token inside its own sequence, `[T]` (`[B, T]` with `segment_ids`)."""
+    if segment_ids is not None:
+        return _segments.positions(segment_ids)
     t = jnp.arange(T, dtype=jnp.int32)
     if cu_seqlens is None:
         return t
@@ -73,7 +76,7 @@ class ShortConvolution(nnx.Module):
         self.weight = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, dim), jnp.float32, -bound, bound))
 
     def __call__(self, x: jax.Array, pos: jax.Array, tail: jax.Array | None = None) -> jax.Array:
-        """`x [B, T, dim]`, `pos` each token's position in its sequence; `tail`: the `kernel_size - 1` inputs
+        """`x [B, T, dim]`, `pos` each token's position in its sequence (`[T]`, or `[B, T]`); `tail`: the `kernel_size - 1` inputs
         before x (a cache's), which the first taps then read (all positions count as inside)."""
         if tail is not None:
             W = self.kernel_size - 1
@@ -84,7 +87,8 @@ class ShortConvolution(nnx.Module):
         for i in range(self.kernel_size):
             back = self.kernel_size - 1 - i  # tap i reads x[t - back]
             shifted = jnp.pad(x, ((0, 0), (back, 0), (0, 0)))[:, :T]
-            y = y + jnp.where((pos >= back)[None, :, None], shifted, 0) * w[i]
+            inside = (pos >= back)[None, :, None] if pos.ndim == 1 else (pos >= back)[:, :, None]
+            y = y + jnp.where(inside, shifted, 0) * w[i]
         return jax.nn.silu(y)
 
 
@@ -147,16 +151,18 @@ class GatedDeltaNet(nnx.Module):
         dims = (self.H * self.K, self.H * self.K, self.HV * self.V)
         return Cache(tuple(jnp.zeros((batch, W, d), jnp.float32) for d in dims), jnp.zeros((batch, self.HV, self.K, self.V), jnp.float32))
 
-    def __call__(self, x, *, cu_seqlens=None, initial_state=None, output_final_state=False, cache=None, return_cache=False):
-        """`x [B, T, d_model]` -> `[B, T, d_model]`; with `output_final_state` also the final states.
+    def __call__(self, x, *, cu_seqlens=None, segment_ids=None, initial_state=None, output_final_state=False, cache=None,
+                 return_cache=False):
+        """`x [B, T, d_model]` -> `[B, T, d_model]`; with `output_final_state` also the final states. `segment_ids`
+        `[B, T]`: packed rows (the ops' meaning; the short convolutions restart at each segment too).
 
         Generation: `cache` (`init_cache`, or a previous call's) continues from it, dense rows only, and
         returns `(y, cache)`: T = 1 (a decode step) by `fused_recurrent_gated_delta_rule`, longer inputs by
         the chunk op. `return_cache=True` (without `cache`) returns `(y, cache)` from a fresh start, one row
         per sequence with `cu_seqlens`: a packed prefill of prompts of different lengths."""
         B, T = _tokens(x, self.d_model, "GatedDeltaNet")
-        streaming = _streaming(cache, return_cache, cu_seqlens, initial_state, output_final_state, "GatedDeltaNet")
-        pos = _positions(T, cu_seqlens)
+        streaming = _streaming(cache, return_cache, cu_seqlens, initial_state, output_final_state, "GatedDeltaNet", segment_ids)
+        pos = _positions(T, cu_seqlens, segment_ids)
         tails = (None,) * 3 if cache is None else cache.conv
         proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         convs = (self.q_conv, self.k_conv, self.v_conv)
@@ -164,7 +170,7 @@ class GatedDeltaNet(nnx.Module):
         q, k, v = q.reshape(B, T, self.H, self.K), k.reshape(B, T, self.H, self.K), v.reshape(B, T, self.HV, self.V)
         # (the decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), or 2 sigmoid(b) with
         # allow_neg_eigval, taken inside the op, as fla's layer does)
-        opts = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log[...],
+        opts = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, segment_ids=segment_ids, use_gate_in_kernel=True, A_log=self.A_log[...],
                     dt_bias=self.dt_bias[...], use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
                     initial_state=initial_state if cache is None else cache.state, output_final_state=output_final_state or streaming)
         if cache is not None and T == 1:
@@ -220,17 +226,18 @@ class GatedLinearAttention(nnx.Module):
         """An empty cache for `batch` rows (zero state; GLA has no short convolutions)."""
         return Cache((), jnp.zeros((batch, self.H, self.K, self.V), jnp.float32))
 
-    def __call__(self, x, *, cu_seqlens=None, initial_state=None, output_final_state=False, cache=None, return_cache=False):
+    def __call__(self, x, *, cu_seqlens=None, segment_ids=None, initial_state=None, output_final_state=False, cache=None,
+                 return_cache=False):
         """As `GatedDeltaNet.__call__` (a decode step by `fused_recurrent_gla`)."""
         B, T = _tokens(x, self.d_model, "GatedLinearAttention")
-        streaming = _streaming(cache, return_cache, cu_seqlens, initial_state, output_final_state, "GatedLinearAttention")
+        streaming = _streaming(cache, return_cache, cu_seqlens, initial_state, output_final_state, "GatedLinearAttention", segment_ids)
         q = self.q_proj(x).reshape(B, T, self.H, self.K)
         k = self.k_proj(x).reshape(B, T, self.H, self.K)
         v = self.v_proj(x).reshape(B, T, self.H, self.V)
         gk = self.gk_up(self.gk_down(x)).astype(jnp.float32).reshape(B, T, self.H, self.K)
         gk = jax.nn.log_sigmoid(gk) / self.normalizer
         kw = dict(initial_state=initial_state if cache is None else cache.state, output_final_state=output_final_state or streaming,
-                  cu_seqlens=cu_seqlens)
+                  cu_seqlens=cu_seqlens, segment_ids=segment_ids)
         if cache is not None and T == 1:
             o, ht = fused_recurrent_gla(q, k, v, gk, **kw)
         else:
@@ -242,8 +249,10 @@ class GatedLinearAttention(nnx.Module):
         return (o, ht) if output_final_state else o
 
 
-def _streaming(cache, return_cache, cu_seqlens, initial_state, output_final_state, layer: str) -> bool:
+def _streaming(cache, return_cache, cu_seqlens, initial_state, output_final_state, layer: str, segment_ids=None) -> bool:
     """Whether a layer call returns a cache; refuses the combinations that mean nothing."""
+    if segment_ids is not None and (cache is not None or return_cache):
+        raise ValueError(f"{layer}: a cache holds one sequence a row; prefill packed prompts with `cu_seqlens`, not `segment_ids`")
     if cache is not None and not isinstance(cache, Cache):
         raise TypeError(f"{layer}: `cache` must be a fla_jax.layers.Cache (from init_cache or a previous call), got {type(cache).__name__}")
     if cache is not None and (cu_seqlens is not None or initial_state is not None):

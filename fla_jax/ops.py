@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fla_jax import _backends, _checks, _sharding
+from fla_jax import _backends, _checks, _segments, _sharding
 from fla_jax._problem import Problem, l2_normalise
 
 Array = jax.Array
@@ -30,11 +30,15 @@ Array = jax.Array
 PLANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fla_jax_plans", default=None)
 
 
-def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size, backend, l2norm=False):
-    """Checks what is common, reduces the call to a `Problem` and runs the chosen backend."""
+def _run(op, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size, backend, l2norm=False,
+         segment_ids=None):
+    """Checks what is common, reduces the call to a `Problem` and runs the chosen backend (`segment_ids`: as
+    decays of zero at each segment start, `fla_jax._segments`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = _checks.scale(scale, K)
+    segment_ids = _segments.check(segment_ids, B, T, cu_seqlens)
+    g = _segments.reset_gates(g, segment_ids, (B, T, HV) if g is None else g.shape)
     cu_seqlens, cu_valid = _checks.cu_seqlens(cu_seqlens, B, T)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     what = "[N, H, K, V]" + (" (N = number of sequences in cu_seqlens)" if cu_seqlens is not None else " (N = B)")
@@ -89,6 +93,8 @@ def chunk_simple_gla(
     cu_seqlens: Array | None = None,
     chunk_size: int = 64,
     backend: "str | TileLangConfig" = "auto",
+    *,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Simple GLA: linear attention with a scalar decay per head and step.
 
@@ -105,6 +111,9 @@ def chunk_simple_gla(
       cu_seqlens: int32 `[N + 1]` sequence boundaries for packed input (B must be 1); may be
         traced under `jit`, only its length is static.
       chunk_size: chunk length of the chunked backends, one of 16, 32, 64, 128.
+      segment_ids: integer `[B, T]` for packed rows (JAX's packing; any B, traced): every change of id
+        along T starts a new sequence from a zero state; `initial_state` `[B, ...]` enters each row's
+        first segment and the final state leaves its last. Not with `cu_seqlens`.
       backend: "auto", "reference", "xla" or "tilelang" (see `fla_jax.backends()`), or a
         `fla_jax.TileLangConfig`: the tilelang backend with other than its dispatched choices (tests, benchmarks).
 
@@ -120,6 +129,7 @@ def chunk_simple_gla(
     return _run(
         "simple_gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend,
+        segment_ids=segment_ids,
     )
 
 
@@ -133,13 +143,15 @@ def chunk_gla(
     output_final_state: bool = False,
     cu_seqlens: Array | None = None,
     backend: "str | TileLangConfig" = "auto",
+    *,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """GLA: linear attention with a decay per key channel.
 
     Args:
       q, k: `[B, T, H, K]`; v: `[B, T, H, V]`, one floating dtype.
       g: log decays `[B, T, H, K]` (float32 preferred).
-      scale, initial_state, output_final_state, cu_seqlens, backend: as in `chunk_simple_gla`.
+      scale, initial_state, output_final_state, cu_seqlens, segment_ids, backend: as in `chunk_simple_gla`.
 
     Returns:
       `o [B, T, H, V]` in q's dtype, and the final state `[N, H, K, V]` (or None).
@@ -148,7 +160,7 @@ def chunk_gla(
     g = _checks.gate("g", g, q.shape, "[B, T, H, K]")
     return _run(
         "gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=64, backend=backend,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=64, backend=backend, segment_ids=segment_ids,
     )
 
 
@@ -163,6 +175,8 @@ def chunk_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Array | None = None,
     backend: "str | TileLangConfig" = "auto",
+    *,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Delta rule: `S = S + k_t (beta_t (v_t - S^T k_t))^T`.
 
@@ -171,7 +185,7 @@ def chunk_delta_rule(
         keys should have norm <= 1 for a stable recurrence, as in fla.
       beta: write strengths `[B, T, H]`.
       use_qk_l2norm_in_kernel: normalise q and k as `x / sqrt(sum(x^2) + 1e-6)` inside the op.
-      scale, initial_state, output_final_state, cu_seqlens, backend: as in `chunk_simple_gla`.
+      scale, initial_state, output_final_state, cu_seqlens, segment_ids, backend: as in `chunk_simple_gla`.
 
     Returns:
       `o [B, T, H, V]` in q's dtype, and the final state `[N, H, K, V]` (or None).
@@ -182,7 +196,7 @@ def chunk_delta_rule(
     return _run(
         "delta_rule", q, k, v, None, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=64, backend=backend,
-        l2norm=use_qk_l2norm_in_kernel,
+        l2norm=use_qk_l2norm_in_kernel, segment_ids=segment_ids,
     )
 
 
@@ -204,6 +218,7 @@ def chunk_gated_delta_rule(
     dt_bias: Array | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Gated delta rule (GDN): `S = exp(g_t) S`, then the delta-rule update.
 
@@ -215,7 +230,7 @@ def chunk_gated_delta_rule(
       g: log decays `[B, T, HV]`.
       beta: write strengths `[B, T, HV]`.
       initial_state: `[N, HV, K, V]`.
-      use_qk_l2norm_in_kernel, scale, output_final_state, cu_seqlens, backend: as in
+      use_qk_l2norm_in_kernel, scale, output_final_state, cu_seqlens, segment_ids, backend: as in
         `chunk_delta_rule`.
       use_gate_in_kernel: fla's option: `g` is the raw gate input and the op takes
         `g = -exp(A_log) * softplus(g + dt_bias)` (in float32), differentiable in all three.
@@ -239,7 +254,7 @@ def chunk_gated_delta_rule(
     return _run(
         "gated_delta_rule", q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=64, backend=backend,
-        l2norm=use_qk_l2norm_in_kernel,
+        l2norm=use_qk_l2norm_in_kernel, segment_ids=segment_ids,
     )
 
 

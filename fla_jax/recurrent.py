@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fla_jax import _checks, _layout, ops
+from fla_jax import _checks, _layout, _segments, ops
 from fla_jax._problem import l2_normalise
 
 Array = jax.Array
@@ -100,11 +100,19 @@ def _scan(delta: bool, reverse: bool, h0, xs, seq=None):
     return jnp.moveaxis(o, 0, 1), (S if seq is None else ht)
 
 
-def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_state, cu_seqlens, reverse=False, l2norm=False):
-    """Checks what is common and runs `_scan` in float32 (float64 for float64 inputs)."""
+def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_state, cu_seqlens, reverse=False, l2norm=False,
+         segment_ids=None):
+    """Checks what is common and runs `_scan` in float32 (float64 for float64 inputs); `segment_ids` as decays
+    of zero at each segment start (`fla_jax._segments`; with `reverse`, at each segment's last token)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = _checks.scale(scale, K)
+    segment_ids = _segments.check(segment_ids, B, T, cu_seqlens)
+    if segment_ids is not None and reverse:  # (walking from the last token, a segment starts at its last)
+        segment_ids = jnp.flip(segment_ids, axis=1)
+        gk = jnp.flip(_segments.reset_gates(None if gk is None else jnp.flip(gk, 1), segment_ids, (B, T, HV) if gk is None else gk.shape), 1)
+    else:
+        gk = _segments.reset_gates(gk, segment_ids, (B, T, HV) if gk is None else gk.shape)
     cu, cu_valid = _checks.cu_seqlens(cu_seqlens, B, T)
     N = B if cu is None else cu.shape[0] - 1
     h0 = _checks.initial_state(initial_state, N, HV, K, V, "[N, HV, K, V]" + (" (N = number of sequences)" if cu is not None else " (N = B)"))
@@ -130,18 +138,21 @@ def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_sta
 def fused_recurrent_simple_gla(
     q: Array, k: Array, v: Array, g: Array | None = None, g_gamma: Array | None = None, scale: float | None = None,
     initial_state: Array | None = None, output_final_state: bool = False, reverse: bool = False, cu_seqlens: Array | None = None,
+    *, segment_ids: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Simple GLA token by token (fla's `fused_recurrent_simple_gla`); arguments as `chunk_simple_gla`'s, and
-    `reverse`: walk the tokens from the last (the state then flows backwards in time)."""
+    `reverse`: walk the tokens from the last (the state then flows backwards in time; with `segment_ids`
+    each segment is walked from its last token, `initial_state` entering each row's last segment)."""
     q, k, v = _checks.qkv(q, k, v, grouped=False)
     g = _checks.scalar_gate(g, g_gamma, *q.shape[:3])
     return _run(False, q, k, v, g, None, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, reverse=reverse)
+                cu_seqlens=cu_seqlens, reverse=reverse, segment_ids=segment_ids)
 
 
 def fused_recurrent_gla(
     q: Array, k: Array, v: Array, gk: Array | None = None, gv: Array | None = None, scale: float | None = None,
     initial_state: Array | None = None, output_final_state: bool = False, reverse: bool = False, cu_seqlens: Array | None = None,
+    *, segment_ids: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """GLA token by token (fla's `fused_recurrent_gla`): `gk [B, T, H, K]` decays the state's rows (the key
     channels, `chunk_gla`'s g), `gv [B, T, H, V]` its columns; either may be None. Other arguments as
@@ -150,12 +161,13 @@ def fused_recurrent_gla(
     gk = None if gk is None else _checks.gate("gk", gk, q.shape, "[B, T, H, K]")
     gv = None if gv is None else _checks.gate("gv", gv, v.shape, "[B, T, H, V]")
     return _run(False, q, k, v, gk, gv, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, reverse=reverse)
+                cu_seqlens=cu_seqlens, reverse=reverse, segment_ids=segment_ids)
 
 
 def fused_recurrent_delta_rule(
     q: Array, k: Array, v: Array, beta: Array | None = None, scale: float | None = None, initial_state: Array | None = None,
     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Array | None = None,
+    *, segment_ids: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """The delta rule token by token (fla's `fused_recurrent_delta_rule`); beta None means ones, as in fla.
     Other arguments as `chunk_delta_rule`'s."""
@@ -163,7 +175,7 @@ def fused_recurrent_delta_rule(
     B, T, H, _ = q.shape
     beta = jnp.ones((B, T, H), jnp.float32) if beta is None else _checks.gate("beta", beta, (B, T, H), "[B, T, H]")
     return _run(True, q, k, v, None, None, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel))
+                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), segment_ids=segment_ids)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -171,7 +183,7 @@ def fused_recurrent_gated_delta_rule(
     beta: Array | None = None, scale: float | None = None, initial_state: Array | None = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log: Array | None = None,
     dt_bias: Array | None = None, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
-    cu_seqlens: Array | None = None,
+    cu_seqlens: Array | None = None, segment_ids: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """GDN token by token (fla's `fused_recurrent_gated_delta_rule`): a scalar decay `g [B, T, HV]` and/or
     per key channel `gk [B, T, HV, K]` and per value channel `gv [B, T, HV, V]`; beta None means ones; the
@@ -196,4 +208,4 @@ def fused_recurrent_gated_delta_rule(
     if g is not None:  # (one decay of the rows: the scalar's and the per-channel one's together)
         gk = g if gk is None else gk + g[..., None]
     return _run(True, q, k, v, gk, gv, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel))
+                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), segment_ids=segment_ids)

@@ -69,6 +69,26 @@ def test_layer_varlen_equals_separate_sequences(name):
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_segments_equal_separate_sequences(name):
+    """Packed rows with `segment_ids` (B = 2, segments of 1 to 70 tokens, ids that come back) give what each
+    segment gives alone, short convolutions and state restarting; the final state is each row's last segment's."""
+    layer = LAYERS[name]()
+    rows = [[5, 70, 1, 20], [96]]
+    x = jax.random.normal(jax.random.key(1), (2, 96, 32), jnp.float32)
+    seg = jnp.asarray([np.concatenate([np.full(n, i % 2) for i, n in enumerate(r)]) for r in rows], jnp.int32)
+    packed, ht = layer(x, segment_ids=seg, output_final_state=True)
+    for b, lens in enumerate(rows):
+        start = 0
+        for n in lens:
+            alone, ht_i = layer(x[b : b + 1, start : start + n], output_final_state=True)
+            assert err_ratio(alone, packed[b : b + 1, start : start + n]) < 1e-5, (b, start)
+            start += n
+        assert err_ratio(ht_i[0], ht[b]) < 1e-5
+    with pytest.raises(ValueError, match="not `segment_ids`"):
+        layer(x, segment_ids=seg, return_cache=True)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
 def test_layer_is_causal_and_differentiable(name):
     layer = LAYERS[name]()
     x = jax.random.normal(jax.random.key(2), (2, 40, 32), jnp.float32)
