@@ -3,7 +3,10 @@
     python -m fla_jax.demo [--steps 300] [--layer gdn|gla] [--backend auto] ...
 
 The tokens come from a fixed sparse Markov chain (each token has a handful of likely successors),
-so the loss falls from log(vocab) towards the chain's entropy, which is printed as the floor.
+so the loss falls from log(vocab) towards the chain's entropy, which is printed as the floor. Each row
+packs documents of random lengths (`--docs-per-row` on average, each restarting the chain from a random
+token) with `segment_ids`, as JAX training stacks pack them: the layers restart at every document, and the
+loss leaves out the unpredictable first token of each.
 Training is data parallel over every local device (`jit` with the batch sharded on a mesh);
 `--heads-parallel N` also splits the attention heads over N devices (projections sharded by head,
 output projection by rows), and the linear-attention ops partition themselves along heads.
@@ -41,10 +44,10 @@ class Block(nnx.Module):
         self.up = nnx.Linear(d, 2 * 2 * d, use_bias=False, dtype=dtype, rngs=rngs)  # SwiGLU, hidden 2 d
         self.down = nnx.Linear(2 * d, d, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cache=None, *, cu_seqlens=None, return_cache=False):
+    def __call__(self, x, cache=None, *, cu_seqlens=None, segment_ids=None, return_cache=False):
         """`x` -> the block's output; with a `cache` (or `return_cache`), `(output, cache)` (see the layers)."""
         if cache is None and not return_cache:
-            x, cache = x + self.attn(self.norm1(x)), None
+            x, cache = x + self.attn(self.norm1(x), segment_ids=segment_ids), None
         else:
             y, cache = self.attn(self.norm1(x), cache=cache, cu_seqlens=cu_seqlens, return_cache=return_cache and cache is None)
             x = x + y
@@ -63,13 +66,14 @@ class LanguageModel(nnx.Module):
         self.norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(d, vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens, caches=None, *, cu_seqlens=None, return_cache=False):
-        """Logits of `tokens [B, T]`; with `caches` (one a block, or `return_cache` to start them, one row a
-        sequence of `cu_seqlens`), `(logits, caches)`: generation."""
+    def __call__(self, tokens, caches=None, *, cu_seqlens=None, segment_ids=None, return_cache=False):
+        """Logits of `tokens [B, T]` (packed documents with `segment_ids [B, T]`); with `caches` (one a block, or
+        `return_cache` to start them, one row a sequence of `cu_seqlens`), `(logits, caches)`: generation."""
         x = self.embed(tokens)
         new = []
         for i, block in enumerate(self.blocks):
-            x, c = block(x, None if caches is None else caches[i], cu_seqlens=cu_seqlens, return_cache=return_cache)
+            x, c = block(x, None if caches is None else caches[i], cu_seqlens=cu_seqlens, segment_ids=segment_ids,
+                         return_cache=return_cache)
             new.append(c)
         logits = self.head(self.norm(x))
         return (logits, tuple(new)) if caches is not None or return_cache else logits
@@ -142,16 +146,23 @@ def markov_chain(vocab: int, successors: int, seed: int):
     return jnp.asarray(np.log(P_ + 1e-30), jnp.float32), float(H)
 
 
-def sample(key, logP, batch: int, T: int):
-    k0, k1 = jax.random.split(key)
-    first = jax.random.randint(k0, (batch,), 0, logP.shape[0])
+def sample(key, logP, batch: int, T: int, docs: float = 1.0):
+    """`(tokens, segment_ids)`, both `[batch, T]`: rows of documents drawn from the chain, a new document (from a
+    uniformly drawn token) starting at each step with probability `(docs - 1) / T` (`docs` a row on average)."""
+    k0, k1, k2 = jax.random.split(key, 3)
+    V = logP.shape[0]
+    first = jax.random.randint(k0, (batch,), 0, V)
+    starts = jax.random.bernoulli(k2, (docs - 1) / T, (T - 1, batch))
 
-    def step(tok, k):
-        nxt = jax.random.categorical(k, logP[tok])
+    def step(tok, x):
+        k, start = x
+        ka, kb = jax.random.split(k)
+        nxt = jnp.where(start, jax.random.randint(ka, tok.shape, 0, V), jax.random.categorical(kb, logP[tok]))
         return nxt, nxt
 
-    _, rest = jax.lax.scan(step, first, jax.random.split(k1, T - 1))
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+    _, rest = jax.lax.scan(step, first, (jax.random.split(k1, T - 1), starts))
+    seg = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.cumsum(starts.T, axis=1, dtype=jnp.int32)], axis=1)
+    return jnp.concatenate([first[:, None], rest.T], axis=1), seg
 
 
 def _at_least(low: int):
@@ -176,7 +187,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--steps", type=_at_least(1), default=300, help="training steps")
     ap.add_argument("--batch", type=_at_least(1), default=8, help="global batch (sequences per step)")
-    ap.add_argument("--seq-len", type=_at_least(1), default=128, help="tokens per sequence")
+    ap.add_argument("--seq-len", type=_at_least(1), default=128, help="tokens per row")
+    ap.add_argument("--docs-per-row", type=_positive_float, default=4.0,
+                    help="documents packed in a row, on average (segment_ids; 1: one document a row)")
     ap.add_argument("--vocab", type=_at_least(4), default=128, help="vocabulary of the Markov chain (each token has 4 successors)")
     ap.add_argument("--d-model", type=_at_least(1), default=64, help="model width")
     ap.add_argument("--layers", type=_at_least(1), default=2, help="attention + MLP blocks")
@@ -193,15 +206,18 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="seed of the data and the parameters")
     ap.add_argument("--sample", type=_at_least(0), default=64, help="tokens to generate after training for each of 4 prompts (0: none)")
     ap.add_argument("--out", default="fla_jax_demo", help="folder for the loss curve (loss.png) and the summary line (summary.txt)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.docs_per_row < 1:
+        ap.error(f"argument --docs-per-row: must be a number >= 1, got {args.docs_per_row}")
+    return args
 
 
 class Setup(NamedTuple):
     mesh: jax.sharding.Mesh
     model: LanguageModel
     optimizer: nnx.Optimizer
-    train_step: Callable  # (model, optimizer, tokens [batch, seq_len + 1]) -> loss; updates both in place
-    make_batch: Callable  # key -> tokens, sharded over the data axis
+    train_step: Callable  # (model, optimizer, (tokens, segment_ids) [batch, seq_len + 1]) -> loss; updates both in place
+    make_batch: Callable  # key -> (tokens, segment_ids), sharded over the data axis
     floor: float  # the chain's entropy rate: the lowest loss reachable
     backend: str  # the backend the ops resolve to
     logP: jax.Array  # the chain's log transition matrix [vocab, vocab]
@@ -245,7 +261,8 @@ def setup(args: argparse.Namespace) -> Setup:
         print(f"  kernels of a layer's training step: {', '.join(e.training)}")
 
     logP, floor = markov_chain(args.vocab, 4, args.seed)
-    print(f"data: sparse Markov chain over {args.vocab} tokens; loss starts near {math.log(args.vocab):.2f}, floor {floor:.2f} nats")
+    print(f"data: sparse Markov chain over {args.vocab} tokens, {args.docs_per_row:g} documents a row on average (segment_ids); "
+          f"loss starts near {math.log(args.vocab):.2f}, floor {floor:.2f} nats")
 
     model = LanguageModel(
         args.vocab, args.d_model, args.layers, args.layer, args.heads, args.head_dim, args.backend,
@@ -259,16 +276,21 @@ def setup(args: argparse.Namespace) -> Setup:
     place(mesh, optimizer)
 
     @nnx.jit
-    def train_step(model, optimizer, tokens):
-        def loss_fn(model):
-            logits = model(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+    def train_step(model, optimizer, batch):
+        tokens, seg = batch
+
+        def loss_fn(model):  # (the first token of each document, drawn at random, is no target)
+            logits = model(tokens[:, :-1], segment_ids=seg[:, :-1])
+            nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
+            same = (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
+            return jnp.sum(nll * same) / jnp.maximum(jnp.sum(same), 1.0)
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
         return loss
 
-    make_batch = jax.jit(lambda key: sample(key, logP, args.batch, args.seq_len + 1), out_shardings=data_sharding)
+    make_batch = jax.jit(lambda key: sample(key, logP, args.batch, args.seq_len + 1, args.docs_per_row),
+                         out_shardings=(data_sharding, data_sharding))
     return Setup(mesh, model, optimizer, train_step, make_batch, floor, backend, logP)
 
 
@@ -282,9 +304,9 @@ def main(argv=None):
     step_times, first_loss, loss, losses = [], None, None, []
     for step in range(1, args.steps + 1):
         key, sub = jax.random.split(key)
-        tokens = make_batch(sub).block_until_ready()  # sampling the chain (a scan over time) is not timed
+        batch = jax.block_until_ready(make_batch(sub))  # sampling the chain (a scan over time) is not timed
         t0 = time.perf_counter()
-        loss = float(train_step(model, optimizer, tokens))
+        loss = float(train_step(model, optimizer, batch))
         losses.append(loss)
         if first_loss is None:
             first_loss = loss  # the first step includes compilation
@@ -304,7 +326,7 @@ def main(argv=None):
     generated = ""
     if args.sample > 0:  # continuations of prompts drawn from the chain, of different lengths
         key, k0, k1 = jax.random.split(key, 3)
-        chain = np.asarray(sample(k0, logP, 4, args.seq_len))
+        chain = np.asarray(sample(k0, logP, 4, args.seq_len)[0])
         prompts = [chain[i, : max(1, args.seq_len * (i + 1) // 4)] for i in range(4)]
         toks, secs = generate(model, prompts, args.sample, k1)
         allowed = np.asarray(logP) > -60  # the chain's transitions (each token has 4 successors; log(1e-30) elsewhere)
