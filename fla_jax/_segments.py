@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 def check(segment_ids, B: int, T: int, cu_seqlens) -> jax.Array | None:
@@ -30,17 +31,38 @@ def check(segment_ids, B: int, T: int, cu_seqlens) -> jax.Array | None:
     return x
 
 
-def starts(segment_ids: jax.Array) -> jax.Array:
-    """`[B, T]` bool: the tokens where a new segment starts after another one in the row (not t = 0)."""
+def _along_whole_rows(fn, segment_ids: jax.Array) -> jax.Array:
+    """`fn(segment_ids)` (a `[B, T]` result that reads along T) where T may be split over an explicit mesh
+    (context parallelism): the ids, 4 bytes a token, gathered along T for it, the result split back."""
+    from fla_jax._sharding import _explicit_mesh  # (no cycle at import)
+
+    if _explicit_mesh() is None:
+        return fn(segment_ids)
+    spec = tuple(jax.typeof(segment_ids).sharding.spec) + (None, None)
+    if spec[1] is None:
+        return fn(segment_ids)
+    whole = jax.sharding.reshard(segment_ids, P(spec[0], None))
+    return jax.sharding.reshard(fn(whole), P(spec[0], spec[1]))
+
+
+def _starts(segment_ids: jax.Array) -> jax.Array:
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     return jnp.concatenate([jnp.zeros((segment_ids.shape[0], 1), bool), change], axis=1)
 
 
+def starts(segment_ids: jax.Array) -> jax.Array:
+    """`[B, T]` bool: the tokens where a new segment starts after another one in the row (not t = 0)."""
+    return _along_whole_rows(_starts, segment_ids)
+
+
+def _positions(segment_ids: jax.Array) -> jax.Array:
+    t = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
+    return t - jax.lax.cummax(jnp.where(_starts(segment_ids), t, 0), axis=1)
+
+
 def positions(segment_ids: jax.Array) -> jax.Array:
     """`[B, T]` int32: each token's position inside its segment."""
-    t = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
-    first = jax.lax.cummax(jnp.where(starts(segment_ids), t, 0), axis=1)
-    return t - first
+    return _along_whole_rows(_positions, segment_ids)
 
 
 def reset_gates(g, segment_ids: jax.Array | None, shape: tuple[int, ...]):

@@ -97,23 +97,32 @@ def _context_parallel(compute: Callable, args: dict, time):
     """The op on one device's piece of T (inside `shard_map`, `time` the mesh axes T is split over).
 
     Each op maps the state entering a piece to the state leaving it affinely, `S_out = A S_in + B` (per
-    sequence and head; A `[K, K]` acts on the key axis: the gates' decay, and the delta rules'
-    `prod (I - beta k k^T)`). Every device computes its piece's B (the op from a zero state) and A (the op
-    with v = 0 from the identity, `[K, K]` read as K value columns), gathers every piece's A and B (the only
-    collective: states, never q, k, v or o), folds them from the initial state into the state entering its
-    own piece and the final one, and runs its piece from there. Exact; three passes of the op's work."""
+    sequence and head; A acts on the key axis). Every device computes its piece's B (the op from a zero state)
+    and A: for the gated ops the piece's decay itself, `exp(sum g)` per head (and key channel: GLA), diagonal;
+    for the delta rules `prod (I - beta k k^T)` (decayed), `[K, K]`, by the op with v = 0 from the identity
+    (read as K value columns). It gathers every piece's A and B (the only collective: states, never q, k, v
+    or o), folds them from the initial state into the state entering its own piece and the final one, and
+    runs its piece from there. Exact; two passes of the op's work (three for the delta rules)."""
     q, v = args["q"], args["v"]
     N, HV, K = q.shape[0], v.shape[2], q.shape[3]
+    f32 = jnp.float32
     _, B_piece = compute(**dict(args, initial_state=None))
-    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (N, HV, K, K))
-    _, A_piece = compute(**dict(args, v=jnp.zeros((*v.shape[:3], K), v.dtype), initial_state=eye))
-    A_all, B_all = (jax.lax.all_gather(x.astype(jnp.float32), time) for x in (A_piece, B_piece))  # [P, N, HV, K, .]
+    g = args.get("g")
+    if args.get("beta") is None:  # gated: A = Diag(exp(sum of the piece's gates)), [N, HV, K]
+        total = jnp.zeros((N, HV), f32) if g is None else jnp.sum(g.astype(f32), axis=1)
+        A_piece = jnp.broadcast_to(jnp.exp(total if total.ndim == 3 else total[..., None]), (N, HV, K))
+        fold = lambda A, S: A[..., None] * S
+    else:
+        eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (N, HV, K, K))
+        _, A_piece = compute(**dict(args, v=jnp.zeros((*v.shape[:3], K), v.dtype), initial_state=eye))
+        fold = lambda A, S: jnp.einsum("nhij,nhjv->nhiv", A, S, precision=jax.lax.Precision.HIGHEST)
+    A_all, B_all = (jax.lax.all_gather(x.astype(f32), time) for x in (A_piece, B_piece))  # [P, N, HV, K, .]
     me = jax.lax.axis_index(time)
     h0 = args["initial_state"]
-    S = jnp.zeros(B_piece.shape, jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    S = jnp.zeros(B_piece.shape, f32) if h0 is None else h0.astype(f32)
     entering = S
     for j in range(A_all.shape[0]):  # (P is static: a few small products per piece)
         entering = jnp.where(j == me, S, entering)
-        S = jnp.einsum("nhij,nhjv->nhiv", A_all[j], S, precision=jax.lax.Precision.HIGHEST) + B_all[j]
+        S = fold(A_all[j], S) + B_all[j]
     o, _ = compute(**dict(args, initial_state=entering.astype(B_piece.dtype)))
     return o, S.astype(B_piece.dtype)

@@ -168,3 +168,33 @@ def test_segments_sharded_on_batch_gather_nothing():
     assert found and all(kind == "all-reduce" and shape.startswith("f32[]") for shape, kind in found), found
     got = step(d, s)
     assert err_ratio(want[0], got[0]) < 1e-6 and all(err_ratio(a, b) < 1e-6 for a, b in zip(jax.tree.leaves(want[1]), jax.tree.leaves(got[1])))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule"])
+def test_segments_across_context_parallel_shards(op):
+    """T sharded over 8 devices (context parallelism) with segments that cross the shards' boundaries: the
+    unsharded values (outputs, final state, every gradient)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    case = Case(op, 2, 256, 2, 16, 8, h0=True, l2norm=op == "gated_delta_rule")
+    diff, cot = make_inputs(case, 9)
+    lens = [[3, 50, 1, 100, 102], [256]]  # (shards of 32 tokens: segments start and end inside them)
+    seg = jnp.asarray([np.concatenate([np.full(n, i) for i, n in enumerate(r)]) for r in lens], jnp.int32)
+    kw = static_kwargs(case)
+    loss = lambda d, s: (lambda o, ht: jnp.sum(o * cot["do"]) + jnp.sum(ht * cot["dht"]))(
+        *OPS[op](**d, **kw, segment_ids=s, backend="xla"))
+    fwd = jax.jit(lambda d, s: OPS[op](**d, **kw, segment_ids=s, backend="xla"))
+    grad = jax.jit(jax.grad(loss))
+    want = (fwd(diff, seg), grad(diff, seg))
+    mesh = jax.make_mesh((8,), ("time",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+        d = {n: put(x, P(None, None, None, None) if n == "initial_state" else P(None, "time", *([None] * (x.ndim - 2))))
+             for n, x in diff.items()}
+        s = put(seg, P(None, "time"))
+        got = (fwd(d, s), grad(d, s))
+    (o0, h0), g0 = want
+    (o1, h1), g1 = got
+    errs = {"o": err_ratio(o0, o1), "ht": err_ratio(h0, h1)} | {"d" + n: err_ratio(g0[n], g1[n]) for n in g0}
+    assert all(e < 5e-4 for e in errs.values()), errs

@@ -118,6 +118,7 @@ def test_sharded_time_or_head_dim_auto_is_correct(axis):
 
 CP_CASES = [
     Case("simple_gla", 2, 256, 2, 16, 8, h0=True, norm=0.1),
+    Case("simple_gla", 2, 256, 2, 16, 8, h0=True, gate="none"),
     Case("gla", 2, 256, 2, 16, 8, h0=True),
     Case("delta_rule", 2, 256, 2, 16, 8, h0=True, l2norm=True),
     Case("gated_delta_rule", 2, 512, 1, 16, 8, HV=2, h0=True, l2norm=True),
