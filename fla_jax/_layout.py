@@ -123,6 +123,25 @@ def unpack(y: jax.Array, layout: Layout, T: int) -> jax.Array:
     return jnp.take(y, layout.slot, axis=1, unique_indices=True, indices_are_sorted=True)
 
 
+def _varying_axes(x: jax.Array) -> tuple[str, ...]:
+    """The manual mesh axes `x` varies over inside `shard_map` (none outside)."""
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)
+    return tuple(sorted(manual.varying if manual is not None else getattr(t, "vma", ())))
+
+
+def varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """`x`, inside `shard_map` made varying over the mesh axes `ref` varies over: a scan's initial carry must
+    have its output's type, and a value made inside (zeros) is replicated."""
+    axes = tuple(a for a in _varying_axes(ref) if a not in _varying_axes(x))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def zeros_like_varying(x: jax.Array) -> jax.Array:
+    """Zeros like `x`, varying over the same mesh axes as `x` (see `varying_like`)."""
+    return varying_like(jnp.zeros_like(x), x)
+
+
 def state_table(h0: jax.Array, layout: Layout) -> jax.Array:
     """`[N, H, K, V]` initial states -> `[rows, S + 1, H, K, V]`, row `S` all zeros (padding)."""
     if layout.slot is None:

@@ -50,11 +50,26 @@ def _spec(x) -> tuple:
     return spec + (None,) * (x.ndim - len(spec))
 
 
+def _input_mesh(args: dict):
+    """The mesh of the first input whose type carries Explicit mesh axes (arrays placed on such a mesh and
+    passed to `jit` without `jax.set_mesh`), or None."""
+    for x in args.values():
+        mesh = None if x is None else getattr(jax.typeof(x).sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types):
+            return mesh.abstract_mesh if hasattr(mesh, "abstract_mesh") else mesh
+    return None
+
+
 def apply(compute: Callable, args: dict, *, varlen: bool):
-    """Runs `compute(**args) -> (o, ht)`, under `shard_map` when an explicit mesh is set."""
+    """Runs `compute(**args) -> (o, ht)`, under `shard_map` when an explicit mesh is set (or the inputs' types
+    carry one)."""
     mesh = _explicit_mesh()
     if mesh is None:
-        return compute(**args)
+        mesh = _input_mesh(args)
+        if mesh is None:
+            return compute(**args)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return apply(compute, args, varlen=varlen)
     dims = dict(_DIMS)
     g = args.get("g")
     if g is not None:

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fla_jax import _backends, _checks, _segments, _sharding
+from fla_jax import _backends, _checks, _layout, _segments, _sharding
 from fla_jax._problem import Problem, l2_normalise
 
 Array = jax.Array
@@ -69,6 +69,7 @@ def _compute(backend, problem, scale, l2norm, *, q, k, v, g, beta, initial_state
     if initial_state is None:
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         initial_state = jnp.zeros((N, HV, q.shape[3], v.shape[3]), cdt)
+        initial_state = _layout.varying_like(initial_state, v)  # (inside `shard_map`: as the backends' scans carry it)
     q, k = q.astype(cdt), k.astype(cdt)
     if l2norm:
         q, k = l2_normalise(q), l2_normalise(k)
