@@ -49,19 +49,9 @@ def _segment_reference(case: Case, d: dict):
     return jnp.concatenate(o, axis=0), jnp.stack(finals)
 
 
-CASES = [
-    Case("simple_gla", 2, T, 2, 16, 8, h0=True),
-    Case("simple_gla", 2, T, 2, 16, 8, gate="g_gamma", norm=0.1),
-    Case("simple_gla", 2, T, 2, 16, 8, gate="none", h0=True),
-    Case("gla", 2, T, 2, 16, 8, h0=True),
-    Case("delta_rule", 2, T, 2, 16, 8, h0=True, l2norm=True),
-    Case("gated_delta_rule", 2, T, 1, 16, 8, HV=2, h0=True, l2norm=True),
-]
-
-
-@pytest.mark.parametrize("backend", ["xla", "reference"])
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_segments_equal_each_segment_alone(case, backend):
+def _errors_against_each_segment_alone(case: Case, backend) -> dict[str, float]:
+    """`err_ratio` of o, the final states and every gradient of a loss of both, the packed call on `backend`
+    against `_segment_reference`."""
     diff, cot = make_inputs(case, 5)
     seg = segment_ids()
     kw = static_kwargs(case)
@@ -75,7 +65,23 @@ def test_segments_equal_each_segment_alone(case, backend):
     got = jax.jit(jax.grad(loss(lambda d: OPS[case.op](**d, **kw, segment_ids=seg, backend=backend)), has_aux=True))
     want = jax.grad(loss(lambda d: _segment_reference(case, d)), has_aux=True)
     (g1, (o1, h1)), (g0, (o0, h0)) = got(diff), want({n: jnp.asarray(x, jnp.float64) for n, x in diff.items()})
-    errs = {"o": err_ratio(o0, o1), "ht": err_ratio(h0, h1)} | {"d" + n: err_ratio(g0[n], g1[n]) for n in diff}
+    return {"o": err_ratio(o0, o1), "ht": err_ratio(h0, h1)} | {"d" + n: err_ratio(g0[n], g1[n]) for n in diff}
+
+
+CASES = [
+    Case("simple_gla", 2, T, 2, 16, 8, h0=True),
+    Case("simple_gla", 2, T, 2, 16, 8, gate="g_gamma", norm=0.1),
+    Case("simple_gla", 2, T, 2, 16, 8, gate="none", h0=True),
+    Case("gla", 2, T, 2, 16, 8, h0=True),
+    Case("delta_rule", 2, T, 2, 16, 8, h0=True, l2norm=True),
+    Case("gated_delta_rule", 2, T, 1, 16, 8, HV=2, h0=True, l2norm=True),
+]
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_segments_equal_each_segment_alone(case, backend):
+    errs = _errors_against_each_segment_alone(case, backend)
     print(case, backend, {n: f"{e:.1e}" for n, e in errs.items()})
     assert all(e < 1e-4 for e in errs.values()), errs
 
@@ -94,21 +100,7 @@ def test_segments_on_the_kernels(case):
     """The same on the TileLang kernels (bf16, NaN-poisoned outputs), with the GPU suite's float64 limits."""
     if not fla_jax.backends()["tilelang"].usable:
         pytest.skip(str(fla_jax.backends()["tilelang"]))
-    diff, cot = make_inputs(case, 5)
-    seg = segment_ids()
-    kw = static_kwargs(case)
-    cfg = fla_jax.TileLangConfig(poison_outputs=True)
-
-    def loss(f):
-        def value(d):
-            o, ht = f(d)
-            return jnp.sum(o.astype(jnp.float64) * cot["do"]) + jnp.sum(ht.astype(jnp.float64) * cot["dht"][: case.B]), (o, ht)
-        return value
-
-    got = jax.jit(jax.grad(loss(lambda d: OPS[case.op](**d, **kw, segment_ids=seg, backend=cfg)), has_aux=True))
-    want = jax.grad(loss(lambda d: _segment_reference(case, d)), has_aux=True)
-    (g1, (o1, h1)), (g0, (o0, h0)) = got(diff), want({n: jnp.asarray(x, jnp.float64) for n, x in diff.items()})
-    errs = {"o": err_ratio(o0, o1), "ht": err_ratio(h0, h1)} | {"d" + n: err_ratio(g0[n], g1[n]) for n in diff}
+    errs = _errors_against_each_segment_alone(case, fla_jax.TileLangConfig(poison_outputs=True))
     print(case, {n: f"{e:.1e}" for n, e in errs.items()})
     delta = case.op in ("delta_rule", "gated_delta_rule")
     limit = lambda n: (0.006 if delta else 0.004) if n in ("o", "ht") else 0.02 if delta and n in ("dbeta", "dg") else 0.008 if delta else 0.005
