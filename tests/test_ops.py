@@ -98,9 +98,10 @@ def test_gdn_gate_options_match_float64(backend, neg_eigval):
     grads, (o, ht) = jax.jit(jax.grad(ours, has_aux=True))({n: f32(x) for n, x in raw.items()})
     ref_g, (ref_o, ref_ht) = jax.grad(ref, has_aux=True)({n: jnp.asarray(x, jnp.float64) for n, x in raw.items()})  # (x64: conftest)
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)} | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in raw}
-    # (dA_log, ddt_bias [HV]: sums over B T of per-step terms that largely cancel, like dg_gamma: seen up to 1.4e-3;
-    # dg: the per-step gradient through softplus, seen up to 7e-5)
-    limit = {"dA_log": 5e-3, "ddt_bias": 5e-3, "dg": 5e-4}
+    # (dA_log, ddt_bias [HV]: two numbers, each a sum over B T of per-step terms that largely cancel, like
+    # dg_gamma, so their relative error has no floor: seen up to 6.9e-3 over random seeds (a wrong formula is off
+    # by order one); dg: the per-step gradient through softplus, seen up to 1e-4)
+    limit = {"dA_log": 2e-2, "ddt_bias": 2e-2, "dg": 5e-4}
     assert all(e < limit.get(n, 1e-4) for n, e in errs.items()), " ".join(f"{n} {e:.1e}" for n, e in errs.items())
 
 
