@@ -324,14 +324,14 @@ def main(argv=None):
     ap.add_argument("--lift-fla-check", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--delta-xla-vjps", action="store_true",
-                    help="tilelang delta rules: the backward's parallel parts as XLA VJPs (DELTA_FUSED_BWD, DELTA_WY_BWD_KERNEL off)")
+                    help="tilelang delta rules: the backward's parallel parts as XLA VJPs (delta_fused_bwd, delta_wy_bwd_kernel off)")
     ap.add_argument("--delta-fwd-wy", action="store_true",
-                    help="tilelang delta rules: the forward with no gradient through the WY kernel's w and u (DELTA_FWD_INVERSE off)")
+                    help="tilelang delta rules: the forward with no gradient through the WY kernel's w and u (delta_fwd_inverse off)")
     ap.add_argument("--delta-fwd-inverse", default=None, metavar="K,K",
-                    help="tilelang delta rules: the head dims whose forward with no gradient is the inverse's (DELTA_FWD_INVERSE)")
+                    help="tilelang delta rules: the head dims whose forward with no gradient is the inverse's (delta_fwd_inverse)")
     ap.add_argument("--xla-zeros", action="store_true",
                     help="tilelang: XLA's zero states for the passes where a call has no initial state or the loss takes no final "
-                         "state (ZERO_ROW_H0, ZERO_ROW_DHT off; by default the passes get no rows and start from zeros)")
+                         "state (zero_row_h0, zero_row_dht off; by default the passes get no rows and start from zeros)")
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
                     help="tilelang configured otherwise (comma-separated xla-zeros, +SWITCH / -SWITCH, op.direction.program=experiment), timed "
                          "in the same process as the implementation fla_jax:tilelang@NAME (name it in --impls)")

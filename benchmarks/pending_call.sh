@@ -133,7 +133,7 @@ if [ -n "${BENCH:-}" ]; then
       --experiments $X --json "$O/bench_new.json" 2>&1 | grep -E "^\|" > "$O/bench_new.txt"
     cat "$O/bench_new.txt"
   fi
-  if [ -n "${INV:-}" ]; then  # the same ops with DELTA_FWD_INVERSE = $INV (e.g. 64,128,256)
+  if [ -n "${INV:-}" ]; then  # the same ops with delta_fwd_inverse = $INV (e.g. 64,128,256)
     timeout ${TB:-240} python3 benchmarks/bench.py --ops ${OPS:-gdn} --shapes ${BSHAPES:-issue} --impls fla_jax:tilelang \
       --delta-fwd-inverse "$INV" --json "$O/bench_inv.json" 2>&1 | grep -E "^\|" > "$O/bench_inv.txt"
     cat "$O/bench_inv.txt"
