@@ -137,11 +137,6 @@ def varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
-def zeros_like_varying(x: jax.Array) -> jax.Array:
-    """Zeros like `x`, varying over the same mesh axes as `x` (see `varying_like`)."""
-    return varying_like(jnp.zeros_like(x), x)
-
-
 def state_table(h0: jax.Array, layout: Layout) -> jax.Array:
     """`[N, H, K, V]` initial states -> `[rows, S + 1, H, K, V]`, row `S` all zeros (padding)."""
     if layout.slot is None:

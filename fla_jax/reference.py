@@ -66,7 +66,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens):
     def block(carry, x):
         return lax.scan(token, carry, x)
 
-    state0 = _layout.zeros_like_varying(table[:, 0])
+    state0 = jnp.zeros_like(table[:, 0])
     (_, ht), o = lax.scan(block, (state0, table), (xs, flags))
     o = jnp.swapaxes(o.reshape(Lp, B, H, -1), 0, 1)[:, :L]
     o = _layout.unpack(o, layout, T)

@@ -285,7 +285,7 @@ def _delta_forward(p: Problem, q, k, v, g, beta, table, seg, Tm):
         return h, (vn, h)
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, kd, glast)) + (reset, seq)
-    h_init = _layout.zeros_like_varying(table[:, 0])
+    h_init = jnp.zeros_like(table[:, 0])
     _, (vn, s_after) = lax.scan(step, h_init, xs)
     vn, s_after = jnp.moveaxis(vn, 0, 2), jnp.moveaxis(s_after, 0, 2)
     h = _shift_states(s_after, _chunk_initial_states(table, seq), reset)
