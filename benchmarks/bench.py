@@ -218,7 +218,8 @@ BASE_CONFIG = None
 def _alternative(spec: str):
     """The tilelang backend's `TileLangConfig` as `spec` changes `BASE_CONFIG`: comma-separated `xla-zeros`
     (zero_row_h0, zero_row_dht off), `+field` / `-field` (a boolean field on or off, or one of head dims at
-    all or none, e.g. `-delta_grads_kernel`) and `op.direction.program=experiment` entries."""
+    all or none, e.g. `-delta_grads_kernel`), `field=N` (an integer field, e.g. `split_programs=0`) and
+    `op.direction.program=experiment` entries."""
     import dataclasses
 
     from fla_jax import TileLangConfig
@@ -235,6 +236,11 @@ def _alternative(spec: str):
                 raise ValueError(f"--alt: {item[1:]!r} is not a boolean or head-dims field of fla_jax.TileLangConfig")
             on = item[0] == "+"
             cfg = dataclasses.replace(cfg, **{name: on if isinstance(value, bool) else tuple(variants.HEAD_DIMS) if on else ()})
+        elif "." not in item.partition("=")[0]:
+            name, _, value = item.partition("=")
+            if not isinstance(getattr(cfg, name, None), int) or isinstance(getattr(cfg, name), bool):
+                raise ValueError(f"--alt: {name!r} is not an integer field of fla_jax.TileLangConfig")
+            cfg = dataclasses.replace(cfg, **{name: int(value)})
         else:
             key, name = _override(item, "--alt (or xla-zeros)")
             cfg = dataclasses.replace(cfg, experiments=(*cfg.experiments, (key, name)))

@@ -43,6 +43,7 @@ def main():
     ap.add_argument("--impl", default="fla_jax:tilelang")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--fwd", action="store_true", help="the forward alone (default: the training step)")
+    ap.add_argument("--order", action="store_true", help="also every kernel of the last step in order, with its time")
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
                     help="as bench.py's: tilelang configured otherwise, profiled as --impl fla_jax:tilelang@NAME")
     args = ap.parse_args()
@@ -58,6 +59,11 @@ def main():
             for _ in range(args.steps):
                 jax.block_until_ready(f(*a))
         events = list(device_events(pathlib.Path(tmp)))
+    if args.order:  # (the last step's kernels: its share of the events, in order)
+        kernels = [(name, us) for k, name, us in events if k == "kernel"]
+        print(f"{args.op} {args.shape} {args.impl}: the last step's kernels in order (us)")
+        for name, us in kernels[-len(kernels) // args.steps:]:
+            print(f"{us:9.1f}  {name[:100]}")
     for kind in ("op", "kernel"):
         total = collections.defaultdict(float)
         count = collections.Counter()

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
+from fla_jax import _pieces
+
 # Layout letters per argument: b batch, t time, h heads, k/v head dims, n sequences.
 _DIMS = {
     "q": "bthk",
@@ -123,21 +125,16 @@ def _context_parallel(compute: Callable, args: dict, time):
     f32 = jnp.float32
     _, B_piece = compute(**dict(args, initial_state=None))
     g = args.get("g")
-    if args.get("beta") is None:  # gated: A = Diag(exp(sum of the piece's gates)), [N, HV, K]
+    diag = args.get("beta") is None
+    if diag:  # gated: A = Diag(exp(sum of the piece's gates)), [N, HV, K]
         total = jnp.zeros((N, HV), f32) if g is None else jnp.sum(g.astype(f32), axis=1)
         A_piece = jnp.broadcast_to(jnp.exp(total if total.ndim == 3 else total[..., None]), (N, HV, K))
-        fold = lambda A, S: A[..., None] * S
     else:
         eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (N, HV, K, K))
         _, A_piece = compute(**dict(args, v=jnp.zeros((*v.shape[:3], K), v.dtype), initial_state=eye))
-        fold = lambda A, S: jnp.einsum("nhij,nhjv->nhiv", A, S, precision=jax.lax.Precision.HIGHEST)
-    A_all, B_all = (jax.lax.all_gather(x.astype(f32), time) for x in (A_piece, B_piece))  # [P, N, HV, K, .]
-    me = jax.lax.axis_index(time)
-    h0 = args["initial_state"]
-    S = jnp.zeros(B_piece.shape, f32) if h0 is None else h0.astype(f32)
-    entering = S
-    for j in range(A_all.shape[0]):  # (P is static: a few small products per piece)
-        entering = jnp.where(j == me, S, entering)
-        S = fold(A_all[j], S) + B_all[j]
+    # every piece's A and B, [N, P, HV, K, .] (the one collective), folded as the pieces inside one GPU are
+    A_all, B_all = (jnp.moveaxis(jax.lax.all_gather(x.astype(f32), time), 0, 1) for x in (A_piece, B_piece))
+    into, S = _pieces.fold(A_all, B_all, args["initial_state"], diag)
+    entering = jax.lax.dynamic_index_in_dim(into, jax.lax.axis_index(time), axis=1, keepdims=False)
     o, _ = compute(**dict(args, initial_state=entering.astype(B_piece.dtype)))
     return o, S.astype(B_piece.dtype)

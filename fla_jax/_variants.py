@@ -160,6 +160,10 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # warpgroup 0's exp(G_C - G) once per row)
         Program(name="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
                 config=(("store_h", True), *G_ROWS, *ROW_FACTORS), dims=(64, 128)),
+        # the chain alone, the final states (o and v_new left unwritten): the passes over pieces of a sequence that
+        # carry states only (`fla_jax._tilelang.common.state_pass`), at K <= 128
+        Program(name="fused_s", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"),
+                config=(("states_only", True), *G_ROWS, *ROW_FACTORS), dims=(64, 128)),
         Program(name="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
                 config=(("store_h", True), *ROW_FACTORS), dims=(256,)),
         # the forward with no gradient under DELTA_FWD_INVERSE: the gate-free inverse alone, then a state

@@ -180,6 +180,54 @@ def test_tilelang_simple_gla_forward_split(case):
     assert all(e <= 0.004 for e in errs.values()), errs
 
 
+# few programs: each sequence walked in pieces by every state pass (`common.pieces`); varlen with a long sequence, short
+# and empty ones
+PIECE_GPU_CASES = [
+    Case("simple_gla", 1, 4096, 2, 128, 128, dtype="bfloat16", h0=True),
+    Case("gla", 1, 3000, 2, 64, 64, dtype="bfloat16", h0=True, norm=10.0),
+    Case("gated_delta_rule", 1, 4059, 2, 128, 128, HV=4, dtype="bfloat16", h0=True, l2norm=True),
+    Case("delta_rule", 1, 2048, 2, 64, 64, dtype="float16"),
+    Case("gated_delta_rule", 1, 5000, 2, 128, 128, dtype="bfloat16", cu=(0, 0, 4000, 4100, 5000), h0=True, l2norm=True),
+    Case("simple_gla", 1, 5000, 2, 64, 64, dtype="float16", cu=(0, 3000, 3000, 5000), norm=0.1),
+    Case("gla", 1, 5000, 1, 128, 128, dtype="bfloat16", cu=(0, 100, 5000)),
+]
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PIECE_GPU_CASES, ids=str)
+def test_tilelang_state_passes_in_pieces(case):
+    """Every op with its state passes walking each sequence in pieces (the default where programs are few) against
+    float64 under NaN-poisoned outputs, outputs and every gradient, and against the passes walking whole sequences
+    (`split_programs=0`)."""
+    N = case.B if case.cu is None else len(case.cu) - 1
+    nt = (case.T + N * 63) // 64 // N
+    assert common.pieces(_problem.Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), N, case.HV or case.H, case.V, nt) > 1
+    delta = case.op in ("delta_rule", "gated_delta_rule")
+    limit = lambda n: (0.006 if n in ("o", "ht") else 0.02 if n in ("dbeta", "dg") else 0.008) if delta else 0.004 if n[0] in "oh" else 0.005
+    for programs in (132, 0):
+        errs = errors_against_float64(case, 19, backend=Config(poison_outputs=True, split_programs=programs))
+        print(case, programs, {n: f"{e:.1e}" for n, e in errs.items()})
+        bad = {n: e for n, e in errs.items() if not e <= limit(n.split()[0])}
+        assert not bad, (programs, bad)
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_delta_states_only_pass_matches_the_full_one(K, dtype):
+    """The delta rules' state pass with the chain alone (`fused_s`) writes the final states the full pass (`fused`)
+    writes from the same inputs, and leaves o and v_new as they were (NaN-poisoned here)."""
+    results, args, attrs = _program_inputs("delta", "fused", dtype, K)
+    variant = variants.find("delta", "fwd", dtype, K, K)
+    run = lambda name: jax.jit(lambda *a: runtime.call(POISONED, variant.target(next(p for p in variant.programs if p.name == name)),
+                                                       results, *a, **attrs))(*args)
+    (o, vn, ht), (_, _, ht_full) = run("fused_s"), run("fused")
+    assert np.isnan(np.asarray(o.astype(jnp.float32))).all() and np.isnan(np.asarray(vn.astype(jnp.float32))).all()
+    assert err_ratio(np.asarray(ht_full), ht) <= 1e-6, err_ratio(np.asarray(ht_full), ht)
+
+
 SUM_DOT_GPU_CASES = [GPU_CASES[6], GPU_CASES[8], SPLIT_GPU_CASES[0]]
 
 
@@ -386,7 +434,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
             v, h0 = x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
             h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
             return (like(v), *h, like(h0)), (q, k, v, Gk, a, h0, cstart, ccount), scale
-    if op in ("simple_gla", "delta") and name in ("fused", "fused_h"):  # the state pass, 2 sequences
+    if op in ("simple_gla", "delta") and name in ("fused", "fused_h", "fused_s"):  # the state pass, 2 sequences
         q, k, v, h0 = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
         scale = {"scale": np.float32(D**-0.5)}

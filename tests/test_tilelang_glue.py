@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from cases import DELTA_BWD_MODES, delta_bwd_config, GATE_SCAN_EXPERIMENTS, OPS, Case, forward_outputs, loss_and_outputs, make_inputs, static_kwargs
@@ -137,6 +138,66 @@ def test_simple_gla_forward_split_matches_float64(case, emulated, monkeypatch):
         assert all(e <= (5e-3 if case.dtype == "bfloat16" else 1e-3) for e in errs.values()), (pieces, errs)
 
 
+@pytest.mark.parametrize("P", [1, 3, 8])
+@pytest.mark.parametrize("a_shape", [(3,), (3, 4), (3, 4, 4)], ids=["decay", "decay_per_channel", "delta"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_fold_of_pieces_matches_one_after_another(P, a_shape, reverse):
+    """`fla_jax._pieces.fold` (prefix compositions by doubling) against the pieces' maps applied one after
+    another, with and without a first state, forward and through the maps' transposes."""
+    from fla_jax import _pieces
+
+    rng = np.random.default_rng(P)
+    diag = len(a_shape) < 3
+    A = rng.uniform(0.5, 1.0, (2, P, *a_shape)) if diag else rng.standard_normal((2, P, *a_shape)) * 0.3
+    b, s0 = rng.standard_normal((2, P, 3, 4, 5)), rng.standard_normal((2, 3, 4, 5))
+    for first in (None, s0):
+        S, into = np.zeros(b[:, 0].shape) if first is None else first, [None] * P
+        for j in reversed(range(P)) if reverse else range(P):
+            into[j] = S
+            a = A[:, j]
+            S = (a.reshape(*a.shape, *(1,) * (b.ndim - 1 - a.ndim)) * S if diag else
+                 np.einsum("nhji,nhjv->nhiv" if reverse else "nhij,nhjv->nhiv", a, S)) + b[:, j]
+        got = _pieces.fold(jnp.asarray(A), jnp.asarray(b), None if first is None else jnp.asarray(first), diag, reverse)
+        np.testing.assert_allclose(np.asarray(got[0]), np.stack(into, 1), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got[1]), S, rtol=1e-5, atol=1e-5)
+
+
+PIECE_CASES = [
+    Case("simple_gla", 1, 64 * 8 - 13, 2, 64, 64, dtype="bfloat16", h0=True),
+    Case("gla", 1, 64 * 8, 1, 64, 64, dtype="bfloat16", h0=True, norm=10),
+    Case("gated_delta_rule", 1, 64 * 8 - 13, 1, 64, 64, HV=2, dtype="bfloat16", h0=True, l2norm=True),
+    Case("delta_rule", 1, 64 * 8, 2, 64, 64, dtype="float16"),
+    # varlen: a long sequence in 4 pieces of 3 chunks, a short one in pieces of a chunk and empty ones, an empty one
+    Case("gated_delta_rule", 1, 700, 1, 64, 64, HV=2, dtype="bfloat16", cu=(0, 0, 100, 700), h0=True),
+    Case("simple_gla", 1, 700, 1, 64, 64, dtype="bfloat16", cu=(0, 600, 600, 700), h0=True),
+    Case("gla", 1, 700, 1, 64, 64, dtype="bfloat16", cu=(0, 130, 700)),
+]
+
+
+@pytest.mark.parametrize("case", PIECE_CASES, ids=str)
+def test_state_passes_in_pieces_match_float64(case, emulated, monkeypatch):
+    """Where the state passes' programs are few (`Config.split_programs`, `common.pieces`) every op walks each
+    sequence in 4 pieces at once, forward (with and without a gradient) and reverse pass, each piece from the
+    state the pieces before it leave (their decays, or the delta rules' map of an identity state): o, ht and
+    every gradient against float64, dense (T not a multiple of 64) and varlen (short and empty sequences,
+    empty pieces); with the split off, a program walks each whole sequence."""
+    N = case.B if case.cu is None else len(case.cu) - 1
+    seqs = []
+
+    def record(_p, target, results, *args, **attrs):
+        if args[-1].dtype == jnp.int32 and args[-1].ndim == 1 and args[-3].ndim == 4:  # (a state pass: ..., h0, cstart, ccount)
+            seqs.append(args[-1].shape[0])
+        return kernel_emulator.call(target, results, *args, **attrs)
+
+    monkeypatch.setattr(runtime, "call", record)
+    for programs, pieces in ((0, 1), (4 * N * (case.HV or case.H), 4)):  # (a program per sequence and head at V = 64)
+        seqs.clear()
+        errs = errors_against_float64(case, 43, backend=Config(split_programs=programs, split_min_chunks=1))
+        assert seqs and set(seqs) == {N * pieces}, (pieces, seqs)
+        tol = 1e-2 if case.op in ("delta_rule", "gated_delta_rule") else 5e-3
+        assert all(e <= tol for e in errs.values()), (pieces, errs)
+
+
 NO_H0_CASES = [
     Case("simple_gla", 2, 64 * 8 - 13, 2, 64, 64, dtype="bfloat16"),  # (split in pieces with no gradient)
     Case("simple_gla", 1, 300, 2, 128, 128, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300)),
@@ -165,9 +226,9 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
     def record(_p, target, results, *args, **attrs):
         names.append(target.rsplit("_c64_", 1)[1])
         if "_fwd_" in target and len(args) >= 3 and args[-1].dtype == jnp.int32 and args[-3].ndim == 4:
-            rows.append(args[-3].shape[0])  # h0 [N0, H, K, V] before cstart, ccount
+            rows.append((args[-3].shape[0], args[-1].shape[0]))  # h0 [N0, H, K, V] before cstart, ccount [N]
         if "_bwd_" in target and target.endswith("_dh"):
-            reverse.append((args[-3].shape[0], results[1].shape[0]))  # dht [ND, ...] before cstart, ccount; dh0 [N0, ...]
+            reverse.append((args[-3].shape[0], results[1].shape[0], args[-1].shape[0]))  # dht [ND, ...], dh0 [N0, ...], ccount [N]
         return kernel_emulator.call(target, results, *args, **attrs)
 
     monkeypatch.setattr(runtime, "call", record)
@@ -177,8 +238,13 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
     errs = errors_against_float64(case, 41, backend=cfg, terms=terms)
     print(case, names, {n: f"{e:.1e}" for n, e in errs.items()})
     N = case.B if case.cu is None else len(case.cu) - 1
-    assert rows and (set(rows) == {0} if zero_rows else 0 not in rows), rows  # (XLA's zeros: a row a sequence, or a piece)
-    assert reverse and set(reverse) == {(N if "ht" in terms or not zero_rows else 0, 0 if zero_rows else N)}, reverse
+    # (where the passes walk each sequence in pieces, `common.pieces`, those from the states entering the pieces
+    # take a row a piece, the others none; and the reverse passes write a dh0 row a piece)
+    assert rows and all(r == (0 if zero_rows else N) for r, n in rows if n == N), rows  # (XLA's zeros: a row a sequence)
+    assert all(r in (0, n) for r, n in rows if n > N) and zero_rows <= any(r == 0 for r, _ in rows), rows
+    pieced = {r for r in reverse if r[2] > N}
+    assert all(d0 == n and dt in (0, n) for dt, d0, n in pieced), reverse
+    assert set(reverse) - pieced == {(N if "ht" in terms or not zero_rows else 0, 0 if zero_rows else N, N)} or (pieced and set(reverse) == pieced)
     # (under a gradient, with use_qk_l2norm_in_kernel, the delta rules' training WY kernel and WY VJP too)
     # (at K = 256 the forward with no gradient has no inverse experiment: wy and fused)
     scans = {"simple_gla": {"x_fused_scan"}, "gla": set(), "delta_rule": {"x_inv_scan"}}.get(case.op, {"x_inv_l2_scan"}) if case.K <= 128 else set()

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fla_jax import _pieces
 from fla_jax._problem import Problem
 from fla_jax._tilelang import config, runtime
 from fla_jax._variants import find as find_variant
@@ -222,17 +223,106 @@ def gate_sums(c: Chunks):
     return G, in_chunk_rows(graw, c.C) if config.of(c.p).gate_sum_dot else None
 
 
-def state_pass(c: Chunks, ins, extra=()):
+def state_pass(c: Chunks, ins, extra: int = 0, *, name: str | None = None, light=None, totals=None, values_at: int | None = None):
     """The forward state pass (`fused`, or under a gradient `fused_h`, storing h): `(o, *extra, *h, ht)` with
     o as the pass writes it (`Chunks.unflat` puts it back in chunk rows), h `[B, NT_b, HV, K, V]` and
-    `extra` (results beside o, as the pass writes them). `ins`: its token inputs, as it takes them."""
-    vf = c.flat[2]
-    h = (jax.ShapeDtypeStruct((c.NT, c.HV, c.K, c.V), vf.dtype),) if c.store_h else ()
-    out = runtime.call(c.p, c.targets()["fused_h" if c.store_h else "fused"], (like(vf), *extra, *h, c.state), *ins, c.h0, c.cstart,
-                       c.ccount, scale=c.scale_f32)
-    n = 1 + len(extra)
+    `extra` per-token results like v beside o (the delta rules' v_new). `ins`: its token inputs, as it takes them.
+
+    Where its programs would leave SMs idle (`pieces`), each sequence is walked in pieces at once
+    (`split_pass`); the pieces' transitions are the gates' decays, `totals` (each chunk's sum of the gates
+    `[NT, HV(, K)]`), or for the delta rules the pass's own map of an identity state (`values_at`: the index
+    of the values among `light`'s inputs). `light`: `(name, inputs)` of a pass writing no h (`fused`) for the
+    pieces' other passes, under a gradient. `name`: the program (`fused` / `fused_h` where None)."""
+    name = name or ("fused_h" if c.store_h else "fused")
+    light = light or (name, ins)
+    targets_ = c.targets()
+
+    def run(prog, inputs, states, first, count, V=c.V):
+        vf = c.flat[2]
+        token = jax.ShapeDtypeStruct((*vf.shape[:2], V), vf.dtype)
+        h = (jax.ShapeDtypeStruct((c.NT, c.HV, c.K, V), vf.dtype),) if prog == "fused_h" else ()
+        ends = jax.ShapeDtypeStruct((first.shape[0], c.HV, c.K, V), jnp.float32)
+        return runtime.call(c.p, targets_[prog], (token, *(token,) * extra, *h, ends), *inputs, states, first, count, scale=c.scale_f32)
+
+    P = pieces(c.p, c.cstart.shape[0], c.HV, c.V, c.NT // c.cstart.shape[0]) if totals is not None or values_at is not None else 1
+    if P == 1:
+        out = run(name, ins, c.h0, c.cstart, c.ccount)
+    else:
+        def transition(first, count):
+            if totals is not None:
+                return piece_decays(totals, first, count), True
+            prog, inputs = light
+            vf = c.flat[2]
+            zero = jnp.zeros((*vf.shape[:2], c.K), vf.dtype)  # (the values gone: the map of S alone)
+            inputs = (*inputs[:values_at], zero, *inputs[values_at + 1:])
+            eye = jnp.broadcast_to(jnp.eye(c.K, dtype=jnp.float32), (first.shape[0], c.HV, c.K, c.K))
+            return run(prog, inputs, eye, first, count, V=c.K)[-1], False
+
+        local = lambda first, count: run(light[0], light[1], _no_states(c.h0), first, count)[-1]
+        out = split_pass(lambda states, first, count: run(name, ins, states, first, count), local, transition, c.cstart,
+                         c.ccount, c.h0, P)
+    n = 1 + extra
     h = tuple(x.reshape(c.B, c.NT // c.B, *x.shape[1:]) for x in out[n:-1])
     return (out[0], *out[1:n], *h, out[-1])
+
+
+# ----------------------------------------------------------------------------- pieces of a sequence
+# A state pass walks each sequence's chunks one after another, one program per V block, sequence and value
+# head. Where those programs leave SMs idle (one long sequence, few heads) each sequence is cut into P pieces
+# of whole chunks walked at once, as context parallelism cuts it into shards (`fla_jax._sharding`): every pass
+# maps the state entering a piece to the state leaving it affinely, `S_out = A S_in + b` (A acts on the key axis:
+# the gates' decay, diagonal, or for the delta rules `[K, K]`). A first pass over the pieces from zero states
+# gives each piece's b; A comes from the gates, or from the pass over an identity state with the values zeroed;
+# a short fold over the P pieces gives the state entering each; the pass runs again from those. Exact up to
+# rounding; two passes' work (three for the delta rules) spread over P times the programs.
+
+
+def pieces(p: Problem, N: int, HV: int, V: int, nt: int) -> int:
+    """In how many pieces the state passes walk each of N sequences of (on average) nt chunks: a power of two
+    such that their programs number at most `Config.split_programs`, each piece `Config.split_min_chunks`
+    chunks at least; 1 where the programs fill the SMs already."""
+    cfg = config.of(p)
+    programs, P = state_programs(N, HV, V), 1
+    while programs * P * 2 <= cfg.split_programs and nt // (P * 2) >= cfg.split_min_chunks:
+        P *= 2
+    return P
+
+
+def piece_tables(cstart, ccount, P: int):
+    """`(first chunk, chunk count)` `[N * P]` of P pieces of each sequence (`[N]` tables): pieces of
+    ceil(count / P) chunks, the last ones shorter or empty (traced counts: varlen tables)."""
+    m = (ccount + P - 1) // P
+    j = jnp.arange(P, dtype=jnp.int32)[None]
+    first = cstart[:, None] + j * m[:, None]
+    count = jnp.clip(ccount[:, None] - j * m[:, None], 0, m[:, None])
+    return first.reshape(-1), count.reshape(-1)
+
+
+def piece_decays(totals, first, count):
+    """Each piece's decay `exp(sum of its chunks' gate sums)` `[pieces, HV(, K)]` from `totals [NT, HV(, K)]`."""
+    c = jnp.arange(totals.shape[0], dtype=jnp.int32)[None]
+    inside = ((c >= first[:, None]) & (c < (first + count)[:, None])).astype(jnp.float32)  # [pieces, NT]
+    return jnp.exp(jnp.einsum("pc,c...->p...", inside, totals.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST))
+
+
+def split_pass(run, local, transition, cstart, ccount, s0, P: int, reverse: bool = False):
+    """A state pass over P pieces of every sequence: `local(first, count)` each piece's b (the state at
+    its far end from a zero state), `transition(first, count)` `(A, diagonal)`, then `run(states, first,
+    count)` from the states entering the pieces (`reverse`: the cotangents at their ends); its results but
+    the last, then that per sequence `[N, ...]` (the far piece's, as the pass wrote it). `s0`: the first
+    piece's state, no rows where there is none (zeros)."""
+    N = cstart.shape[0]
+    first, count = piece_tables(cstart, ccount, P)
+    per_seq = lambda x: x.reshape(N, P, *x.shape[1:])
+    A, diag = transition(first, count)
+    into, _ = _pieces.fold(per_seq(A), per_seq(local(first, count)), s0 if s0.shape[0] else None, diag, reverse)
+    out = run(into.reshape(N * P, *into.shape[2:]), first, count)
+    return (*out[:-1], per_seq(out[-1])[:, 0 if reverse else -1])
+
+
+def _no_states(s0):
+    """A state table with no rows (the passes start from zeros, `kernels.common.initial_state`), like `s0`."""
+    return jnp.zeros((0, *s0.shape[1:]), jnp.float32)
 
 
 def stored_sums(c: Chunks, G, rows):
@@ -317,3 +407,27 @@ def reverse(p: Problem, scale: float, l2norm: bool, has_h0: bool, store_rows: bo
     dht, dh0_like = reverse_states(p, cstart.shape[0], hf.shape[1:], has_h0, dht)
     return Reverse(p=p, scale=scale, has_h0=has_h0, tokens=tuple(tokens), flat=flat_tokens, hf=hf, dof=dof, dht=dht, dh0_like=dh0_like,
                    cstart=cstart, ccount=ccount, grows=grows, norms=tuple(norms), bwd=bwd), tuple(stored)
+
+
+def reverse_pass(b: Reverse, ins, extra: int = 0, *, totals=None, transition=None):
+    """The reverse state-gradient pass (`dh`) from its token inputs `ins` (as it takes them): `(dh, dh0,
+    *extra)`, `extra` per-token results like v (the delta rules' du). In pieces where its programs would
+    leave SMs idle (`pieces`, `split_pass`): the pieces' transitions are the gates' decays (`totals`, as for
+    `state_pass`) or `transition(first, count)` (the delta rules': the forward's map `[pieces, HV, K, K]`,
+    which the fold applies transposed)."""
+    vf = b.flat[2]
+
+    def run(states, first, count):
+        dh0 = jax.ShapeDtypeStruct((first.shape[0], *b.hf.shape[1:]), jnp.float32)
+        out = runtime.call(b.p, b.bwd["dh"], (like(b.hf), dh0, *(like(vf),) * extra), *ins, states, first, count, scale=b.s)
+        return (out[0], *out[2:], out[1])  # (the piece states last, as `split_pass` takes them)
+
+    N = b.cstart.shape[0]
+    P = pieces(b.p, N, vf.shape[1], vf.shape[-1], b.hf.shape[0] // N)
+    if P == 1:
+        return runtime.call(b.p, b.bwd["dh"], (like(b.hf), b.dh0_like, *(like(vf),) * extra), *ins, b.dht, b.cstart, b.ccount, scale=b.s)
+    trans = (lambda first, count: (piece_decays(totals, first, count), True)) if totals is not None else \
+        (lambda first, count: (transition(first, count), False))
+    local = lambda first, count: run(_no_states(b.dht), first, count)[-1]
+    dh, *rest, dh0 = split_pass(run, local, trans, b.cstart, b.ccount, b.dht, P, reverse=True)
+    return (dh, dh0 if b.dh0_like.shape[0] else dh0[:0], *rest)

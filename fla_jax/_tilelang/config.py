@@ -44,11 +44,15 @@ class Config:
     # tensor, the normalisation in the WY kernel (`wy_t_l2`) instead of a `norm` pass per tensor; without a
     # gradient, from the inverse, in `inv_l2` and `fused_t_l2` instead of XLA's pass before them.
     delta_l2norm_fused: bool = True
-    # Simple GLA's forward with no gradient on dense input: where the state pass's programs (one per V block,
-    # sequence and head) number at most half `split_programs`, each sequence is walked in 2, 4, ... pieces at
-    # once (of at least `split_min_chunks` chunks), every piece but the first from a zero state; XLA carries
-    # the pieces' final states into the states entering them, and `chunk_fwd_enter` adds their part to the
-    # later pieces' output in place. 0 switches it off.
+    # Few sequences and heads: where a state pass's programs (one per V block of 64, sequence and value head)
+    # number at most half `split_programs`, each sequence is walked in 2, 4, ... pieces at once (of at least
+    # `split_min_chunks` chunks on average), by every op's state passes, forward and reverse, dense and varlen
+    # (`common.state_pass`, `common.reverse_pass`): a pass over the pieces from zero states (the delta rules':
+    # the chain alone, `fused_s`), their maps of the state (the gates' decays, or the delta rules' pass from an
+    # identity state), a fold of the P pieces in XLA, then the pass from the states entering them. Simple GLA's
+    # forward with no gradient on dense input instead walks them once, every piece but the first from a zero
+    # state, and `chunk_fwd_enter` adds what the entering states contribute to the later pieces' output in
+    # place. 0 switches both off.
     split_programs: int = 132
     split_min_chunks: int = 8
     # Calls with no initial state: the forward state passes get `h0` with no rows and start from zeros

@@ -56,8 +56,9 @@ def forward(c: common.Chunks):
             t0, gr = runtime.call(p, targets[inv], (t0, rows(4)), qf, kf, gates, beta)
         else:  # G and beta
             t0, gr = runtime.call(p, targets[inv], (t0, rows(2)), kf, gates, beta)
-        o, ht = runtime.call(p, targets[state_pass_t(cfg, targets, c.l2norm, c.cstart.shape[0], c.HV, c.V)], (common.like(vf), c.state),
-                             qf, kf, vf, t0, gr, c.h0, c.cstart, c.ccount, scale=c.scale_f32)
+        N = c.cstart.shape[0] * common.pieces(p, c.cstart.shape[0], c.HV, c.V, NT // c.cstart.shape[0])  # (programs' sequences)
+        ins = (qf, kf, vf, t0, gr)
+        o, ht = common.state_pass(c, ins, name=state_pass_t(cfg, targets, c.l2norm, N, c.HV, c.V), values_at=2)
         return o.reshape(c.B, c.Lr, c.HV, c.V), ht
     assert not c.l2norm or c.store_h, "the forward with no gradient normalises q and k itself only from the inverse"
     like = common.like
@@ -84,7 +85,9 @@ def forward(c: common.Chunks):
     ins = (qf, kf, *wy[:2], common.gates_for(p, "fwd", K, state_name, G, C, grows))
     rows = lambda x, per_chunk: x.reshape(c.B, (NT if per_chunk else NT * C) // c.B, *x.shape[1:])
     stored = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if c.store_h else ()
-    o, v_new, *h, ht = common.state_pass(c, ins, (like(vf),))
+    light = light_pass(c.targets())  # (the chain alone, or storing no h: the pieces' other passes)
+    light = (light, (*ins[:4], common.gates_for(p, "fwd", K, light, G, C, grows)))
+    o, v_new, *h, ht = common.state_pass(c, ins, 1, light=light, values_at=3)
     if stored:  # and v_new, for the backward's consumer kernel
         stored = (*stored, c.unflat(v_new))
     sums = common.stored_sums(c, G, grows)
@@ -166,7 +169,7 @@ def backward(b: common.Reverse, stored, l2norm: bool):
     like = common.like
     # (with dv_new, `du`, the gradient of v_new that its chain forms)
     gates = common.gates_for(p, "bwd", K, "dh", Gf, C, b.grows)
-    dh, dh0, du = runtime.call(p, b.bwd["dh"], (like(b.hf), b.dh0_like, like(vf)), qf, kf, wd, b.dof, gates, b.dht, b.cstart, b.ccount, scale=b.s)
+    dh, dh0, du = common.reverse_pass(b, (qf, kf, wd, b.dof, gates), 1, transition=functools.partial(_piece_maps, b, qf, kf, wd, Gf))
     heads = lambda x: like(x, None, HV)
     # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
     q_norm = l2norm and norm_fused and fused and "dqkvg_l2" in b.bwd
@@ -188,6 +191,28 @@ def backward(b: common.Reverse, stored, l2norm: bool):
         dk = _norm_backward(p, kf, rk, dk.astype(kf.dtype))
     return (b.rows(dq, qf.dtype), b.rows(dk, kf.dtype), b.rows(dv, vf.dtype), b.rows(dg, jnp.float32),
             b.rows(dbeta, jnp.float32), *((dh0,) if b.has_h0 else ()))
+
+
+def light_pass(targets: dict) -> str:
+    """The forward state pass for the passes over pieces that carry states alone: the chain alone (`fused_s`,
+    at K <= 128), else the pass storing no h."""
+    return "fused_s" if "fused_s" in targets else "fused"
+
+
+def _piece_maps(b: common.Reverse, qf, kf, wd, Gf, first, count):
+    """The forward's map of the state across each piece of the reverse pass (`common.reverse_pass`) `[pieces,
+    HV, K, K]`: the forward state pass (`light_pass`) from an identity state with the values u zeroed (the same
+    call as the forward's: under one jit XLA computes it once)."""
+    p, C, K = b.p, b.C, b.K
+    HV = wd.shape[1]
+    zero = jnp.zeros((*wd.shape[:2], K), wd.dtype)
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (first.shape[0], HV, K, K))
+    targets = common.targets(p, "fwd", K, K)
+    name = light_pass(targets)
+    gates = common.gates_for(p, "fwd", K, name, Gf, C, b.grows)
+    token = common.like(zero)
+    ends = jax.ShapeDtypeStruct(eye.shape, jnp.float32)
+    return runtime.call(p, targets[name], (token, token, ends), qf, kf, wd, zero, gates, eye, first, count, scale=b.s)[-1]
 
 
 def _two_programs(b: common.Reverse, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, du, rq, rk, q_norm, k_norm, group_sum):

@@ -26,7 +26,8 @@ def forward(c: common.Chunks):
                                 qf, kf, Gf, scale=c.scale_f32)
     stored = (a.reshape(c.B, c.NT // c.B, *a.shape[1:]), G.reshape(c.B, c.Lr, *G.shape[1:]), qg.reshape(c.B, c.Lr, *qg.shape[1:])) \
         if c.store_h else ()
-    o, *h, ht = common.state_pass(c, (qg, kg, vf, G, a))
+    ins = (qg, kg, vf, G, a)
+    o, *h, ht = common.state_pass(c, ins, light=("fused", ins) if c.store_h else None, totals=simple_gla.chunk_sums(G, c.C))
     return (c.unflat(o), *h, *stored, ht)
 
 

@@ -35,7 +35,10 @@ def forward(c: common.Chunks):
     pieces = 1 if c.store_h or c.tables else pieces_of(config.of(c.p), c.B, c.HV, c.V, c.NT // c.B)
     if pieces > 1:
         return split_forward(c.p, pieces, c.scale, c.targets(), ins, c.h0, gate_rows(), c.B, c.C)
-    o, *h, ht = common.state_pass(c, ins)
+    light = None
+    if c.store_h:  # (the pieces' other passes, where it walks them: `fused`, storing no h)
+        light = ("fused", (qf, kf, vf, graw if c.takes("fused", "g_scan") else common.gates_for(c.p, "fwd", c.K, "fused", G, c.C, grows)))
+    o, *h, ht = common.state_pass(c, ins, light=light, totals=chunk_sums(G, c.C))
     sums = common.stored_sums(c, G, grows)
     return (c.unflat(o), *h, *sums, ht)
 
@@ -47,6 +50,11 @@ def pieces_of(cfg: config.Config, B: int, H: int, V: int, nt: int) -> int:
     while programs * pieces * 2 <= cfg.split_programs and nt % (pieces * 2) == 0 and nt // (pieces * 2) >= cfg.split_min_chunks:
         pieces *= 2
     return pieces
+
+
+def chunk_sums(G, C: int):
+    """Each chunk's sum of the gates `[NT, H(, K)]` from their in-chunk sums G `[L, H(, K)]` (its last row)."""
+    return G.reshape(-1, C, *G.shape[1:])[:, -1]
 
 
 def split_forward(p: Problem, pieces: int, scale: float, targets: dict, ins, h0, rows, B: int, C: int):
@@ -90,7 +98,7 @@ def backward(b: common.Reverse, G=None, q=None, stored=()):
     else:
         qd = qf
     gates = Gf if gla else common.gates_for(p, "bwd", K, "dh", Gf, C, b.grows)  # (as the reverse pass takes them)
-    dh, dh0 = runtime.call(p, b.bwd["dh"], (common.like(b.hf), b.dh0_like), qd, b.dof, gates, b.dht, b.cstart, b.ccount, scale=b.s)
+    dh, dh0 = common.reverse_pass(b, (qd, b.dof, gates), totals=chunk_sums(Gf, C))
     a = tuple(x.reshape(-1, *x.shape[2:]) for x in stored)
     if not gla:  # (G as the consumer takes it)
         gates = common.gates_for(p, "bwd", K, "dqkvg", Gf, C, b.grows)

@@ -137,7 +137,8 @@ def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 6
 
 
 def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,
-                    store_h: bool = False, single_qw: bool | None = None, g_rows: bool = False, row_factors: bool = False):
+                    store_h: bool = False, single_qw: bool | None = None, g_rows: bool = False, row_factors: bool = False,
+                    states_only: bool = False):
     """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * value head) program.
 
@@ -161,7 +162,10 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
     each stage's arrival (Nsight Compute, 2026-12-04: a third of that warpgroup's samples).
     `row_factors`: warpgroup 0 (the bound: Nsight Compute found it waiting in 5 % of its samples,
     the rest its elementwise work and its products) forms `exp(G_C - G)` once per row of its
-    fragment rather than once per element of v_new; the same bits."""
+    fragment rather than once per element of v_new; the same bits.
+    `states_only`: the chain alone (the sequences' final states `ht`, and h under `store_h`): no q loaded, no
+    o or v_new written (their buffers stay as they were), warpgroup 1 idle and nothing waiting on it; for the
+    passes over pieces of a sequence that only carry states (`fla_jax._tilelang.common.state_pass`)."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     acc = "float32"
     if single_qw is None:
@@ -191,12 +195,15 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
             acc_s = T.alloc_fragment((BT, BT), acc)
             fv = T.alloc_fragment((BT,), acc) if row_factors else None  # warpgroup 0's exp(G_C - G)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
-            free = T.alloc_barrier([256] * stages)  # both consumers are done with a stage
+            free = T.alloc_barrier([128 if states_only else 256] * stages)  # both consumers are done with a stage
             s_ready = T.alloc_barrier([128])  # warpgroup 0 published S and v_new
             s_free = T.alloc_barrier([128])  # warpgroup 1 has read them
             c0 = cstart[n]
             nc = ccount[n]
             loads = delta_loads(q, k, w, u, g, q_s, k_s, w_s, u_s, g_s, ih, ihv, iv, g_rows)  # q, k, w, u, G
+            if states_only:  # (no output: no q)
+                assert not single_qw, "states_only takes two stages of everything (K <= 128)"
+                loads = loads[1:]
             one_full = one_free = q_sync = None
             singles = ()
             if single_qw:  # w's and q's own buffers: landed (w, q), read by warpgroup 0 / 1
@@ -214,7 +221,8 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                     t0 = (c0 + i) * BT
                     T.barrier_wait(full[slot], (i // stages) % 2)
                     if i >= 1:  # warpgroup 1 and the stores of the previous chunk have read h_s and vn_s
-                        T.barrier_wait(s_free[0], (i + 1) % 2)
+                        if not states_only:
+                            T.barrier_wait(s_free[0], (i + 1) % 2)
                         T.tma_store_wait()
                         T.sync_threads(8, 128)
                     T.copy(b_h, h_s)
@@ -227,11 +235,15 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                         T.gemm(w_s[slot, :, :], h_s, acc_v)
                     for r, c in T.Parallel(BT, BV):
                         acc_v[r, c] = T.cast(u_s[slot, r, c], acc) - acc_v[r, c]
-                    T.copy(acc_v, vn_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(s_ready[0])
+                    if not states_only:
+                        T.copy(acc_v, vn_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(s_ready[0])
+                    elif store_h:
+                        T.fence_proxy_async()
                     T.sync_threads(8, 128)
-                    T.tma_copy(vn_s, vnew[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
+                    if not states_only:
+                        T.tma_copy(vn_s, vnew[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
                     if store_h:
                         T.tma_copy(h_s, h[c0 + i, ihv, 0:K, iv * BV : (iv + 1) * BV])
                     decay = lambda r: T.exp(g_s[slot, BT - 1] - g_s[slot, r])  # exp(G_C - G) of row r
@@ -249,11 +261,12 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
                 T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
             with T.ws(1):
                 T.set_max_nreg(232, 1)
-                for i in T.serial(nc):
-                    slot = i % stages
-                    t0 = (c0 + i) * BT
-                    output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages,
-                                 t0, ihv, iv, scale, True, i, q_sync=q_sync)
+                if not states_only:
+                    for i in T.serial(nc):
+                        slot = i % stages
+                        t0 = (c0 + i) * BT
+                        output_chunk(q_s, k_s, g_s, h_s, vn_s, p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free, i, slot, stages,
+                                     t0, ihv, iv, scale, True, i, q_sync=q_sync)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT), g_rows=g_rows).with_attr(
