@@ -22,7 +22,7 @@ from fla_jax._problem import Problem
 # where each program kind takes the gates among its inputs (as `_gates_for` forms them for the dispatched program;
 # an experiment may take them otherwise: `programs` then forms them from its config)
 GATE_ARGS = {"simple_gla": {"fused": 3, "fused_h": 3, "dh": 2},
-             "delta": {"fused": 4, "fused_s": 4, "fused_h": 4, "dh": 4, "wy": 2, "wy_t": 2, "wy_t_l2": 3, "inv": 1, "inv_l2": 2}}
+             "delta": {"fused": 4, "fused_h": 4, "dh": 4, "wy": 2, "wy_t": 2, "wy_t_l2": 3, "inv": 1, "inv_l2": 2}}
 
 
 def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
@@ -92,8 +92,6 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             "wy": ((like(k), like(v)), (k, v, G, beta), {}),
             "fused_h": ((like(v), like(v), state, final), (q, k, w, u, gates("fwd", "fused_h"), h0, cstart, ccount), {"scale": s}),
             "fused": ((like(v), like(v), final), (q, k, w, u, gates("fwd", "fused"), h0, cstart, ccount), {"scale": s}),
-            **({"fused_s": ((like(v), like(v), final), (q, k, w, u, gates("fwd", "fused_s"), h0, cstart, ccount), {"scale": s})}
-               if "fused_s" in common.targets(p, "fwd", D, D) else {}),
             "inv": ((t0, rows(2)), (k, G, beta), {}),
             "fused_t": ((like(v), final), (q, k, v, t, gr, h0, cstart, ccount), {"scale": s}),
             # use_qk_l2norm_in_kernel folded into the kernels (q and k here are already unit rows or near)

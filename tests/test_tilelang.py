@@ -212,22 +212,6 @@ def test_tilelang_state_passes_in_pieces(case):
         assert not bad, (programs, bad)
 
 
-@on_hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("K", [64, 128])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_delta_states_only_pass_matches_the_full_one(K, dtype):
-    """The delta rules' state pass with the chain alone (`fused_s`) writes the final states the full pass (`fused`)
-    writes from the same inputs, and leaves o and v_new as they were (NaN-poisoned here)."""
-    results, args, attrs = _program_inputs("delta", "fused", dtype, K)
-    variant = variants.find("delta", "fwd", dtype, K, K)
-    run = lambda name: jax.jit(lambda *a: runtime.call(POISONED, variant.target(next(p for p in variant.programs if p.name == name)),
-                                                       results, *a, **attrs))(*args)
-    (o, vn, ht), (_, _, ht_full) = run("fused_s"), run("fused")
-    assert np.isnan(np.asarray(o.astype(jnp.float32))).all() and np.isnan(np.asarray(vn.astype(jnp.float32))).all()
-    assert err_ratio(np.asarray(ht_full), ht) <= 1e-6, err_ratio(np.asarray(ht_full), ht)
-
-
 SUM_DOT_GPU_CASES = [GPU_CASES[6], GPU_CASES[8], SPLIT_GPU_CASES[0]]
 
 
@@ -434,7 +418,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
             v, h0 = x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
             h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
             return (like(v), *h, like(h0)), (q, k, v, Gk, a, h0, cstart, ccount), scale
-    if op in ("simple_gla", "delta") and name in ("fused", "fused_h", "fused_s"):  # the state pass, 2 sequences
+    if op in ("simple_gla", "delta") and name in ("fused", "fused_h"):  # the state pass, 2 sequences
         q, k, v, h0 = x(L, H, D), x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         h = (jax.ShapeDtypeStruct((NT, H, D, D), dtype),) if name == "fused_h" else ()
         scale = {"scale": np.float32(D**-0.5)}
@@ -531,6 +515,9 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog):
         dG = (want[2] + dg0).reshape(-1, 64, dg0.shape[1])
         want = (*want[:2], jnp.flip(jnp.cumsum(jnp.flip(dG, 1), axis=1), 1).reshape(dg0.shape), want[3])
     got = run(prog, results2, args2)
+    if dict(prog.config).get("states_only"):  # (the chain alone: ht, o and v_new left as they were, NaN)
+        assert all(np.isnan(np.asarray(g.astype(jnp.float32))).all() for g in got[:-1])
+        want, got = want[-1:], got[-1:]
     errs = [err_ratio(np.asarray(w.astype(jnp.float32)), g) for w, g in zip(want, got)]
     print(prog.name, "vs", main.name, [f"{e:.1e}" for e in errs])
     # GLA's intra-chunk parts, exact against chunk-wide: terms move between the float32 elementwise

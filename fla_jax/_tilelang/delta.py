@@ -85,8 +85,7 @@ def forward(c: common.Chunks):
     ins = (qf, kf, *wy[:2], common.gates_for(p, "fwd", K, state_name, G, C, grows))
     rows = lambda x, per_chunk: x.reshape(c.B, (NT if per_chunk else NT * C) // c.B, *x.shape[1:])
     stored = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if c.store_h else ()
-    light = light_pass(c.targets())  # (the chain alone, or storing no h: the pieces' other passes)
-    light = (light, (*ins[:4], common.gates_for(p, "fwd", K, light, G, C, grows)))
+    light = ("fused", (*ins[:4], common.gates_for(p, "fwd", K, "fused", G, C, grows)))  # (storing no h: the pieces' other passes)
     o, v_new, *h, ht = common.state_pass(c, ins, 1, light=light, values_at=3)
     if stored:  # and v_new, for the backward's consumer kernel
         stored = (*stored, c.unflat(v_new))
@@ -193,26 +192,18 @@ def backward(b: common.Reverse, stored, l2norm: bool):
             b.rows(dbeta, jnp.float32), *((dh0,) if b.has_h0 else ()))
 
 
-def light_pass(targets: dict) -> str:
-    """The forward state pass for the passes over pieces that carry states alone: the chain alone (`fused_s`,
-    at K <= 128), else the pass storing no h."""
-    return "fused_s" if "fused_s" in targets else "fused"
-
-
 def _piece_maps(b: common.Reverse, qf, kf, wd, Gf, first, count):
     """The forward's map of the state across each piece of the reverse pass (`common.reverse_pass`) `[pieces,
-    HV, K, K]`: the forward state pass (`light_pass`) from an identity state with the values u zeroed (the same
-    call as the forward's: under one jit XLA computes it once)."""
+    HV, K, K]`: the forward state pass storing no h (`fused`) from an identity state with the values u zeroed (the
+    same call as the forward's: under one jit XLA computes it once)."""
     p, C, K = b.p, b.C, b.K
     HV = wd.shape[1]
     zero = jnp.zeros((*wd.shape[:2], K), wd.dtype)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (first.shape[0], HV, K, K))
-    targets = common.targets(p, "fwd", K, K)
-    name = light_pass(targets)
-    gates = common.gates_for(p, "fwd", K, name, Gf, C, b.grows)
+    gates = common.gates_for(p, "fwd", K, "fused", Gf, C, b.grows)
     token = common.like(zero)
     ends = jax.ShapeDtypeStruct(eye.shape, jnp.float32)
-    return runtime.call(p, targets[name], (token, token, ends), qf, kf, wd, zero, gates, eye, first, count, scale=b.s)[-1]
+    return runtime.call(p, common.targets(p, "fwd", K, K)["fused"], (token, token, ends), qf, kf, wd, zero, gates, eye, first, count, scale=b.s)[-1]
 
 
 def _two_programs(b: common.Reverse, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, du, rq, rk, q_norm, k_norm, group_sum):
