@@ -280,9 +280,14 @@ def state_pass(c: Chunks, ins, extra: int = 0, *, name: str | None = None, light
 def pieces(p: Problem, N: int, HV: int, V: int, nt: int) -> int:
     """In how many pieces the state passes walk each of N sequences of (on average) nt chunks: a power of two
     such that their programs number at most `Config.split_programs`, each piece `Config.split_min_chunks`
-    chunks at least; 1 where the programs fill the SMs already."""
+    chunks at least; 1 where the programs fill a quarter of `split_programs` already. (The pieces' extra
+    passes move the tokens again: they pay where a pass's time is its chain's, few programs walking many
+    chunks; with twice the programs the extra traffic outweighs the shorter chains. RESULTS.md: one long
+    sequence.)"""
     cfg = config.of(p)
     programs, P = state_programs(N, HV, V), 1
+    if programs * 4 > cfg.split_programs:
+        return 1
     while programs * P * 2 <= cfg.split_programs and nt // (P * 2) >= cfg.split_min_chunks:
         P *= 2
     return P

@@ -45,11 +45,12 @@ class Config:
     # gradient, from the inverse, in `inv_l2` and `fused_t_l2` instead of XLA's pass before them.
     delta_l2norm_fused: bool = True
     # Few sequences and heads: where a state pass's programs (one per V block of 64, sequence and value head)
-    # number at most half `split_programs`, each sequence is walked in 2, 4, ... pieces at once (of at least
-    # `split_min_chunks` chunks on average), by every op's state passes, forward and reverse, dense and varlen
-    # (`common.state_pass`, `common.reverse_pass`): a pass over the pieces from zero states (the delta rules':
-    # the chain alone, `fused_s`), their maps of the state (the gates' decays, or the delta rules' pass from an
-    # identity state), a fold of the P pieces in XLA, then the pass from the states entering them. Simple GLA's
+    # number at most a quarter of `split_programs`, each sequence is walked in 2, 4, ... pieces at once (up to
+    # `split_programs` programs in all; simple GLA's forward with no gradient from half of it), of at least
+    # `split_min_chunks` chunks on average, by every op's state passes, forward and reverse, dense and varlen
+    # (`common.state_pass`, `common.reverse_pass`): a pass over the pieces from zero states, their maps of the
+    # state (the gates' decays, or the delta rules' pass from an identity state), a fold of the P pieces in XLA,
+    # then the pass from the states entering them. Simple GLA's
     # forward with no gradient on dense input instead walks them once, every piece but the first from a zero
     # state, and `chunk_fwd_enter` adds what the entering states contribute to the later pieces' output in
     # place. 0 switches both off.
