@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
-from fla_jax import _pieces
+from fla_jax import _layout, _pieces
 
 # Layout letters per argument: b batch, t time, h heads, k/v head dims, n sequences.
 _DIMS = {
@@ -91,9 +91,6 @@ def apply(compute: Callable, args: dict, *, varlen: bool):
                 time = axes
     if varlen and batch is not None:
         raise ValueError(f"with `cu_seqlens` the batch axis has size 1 and cannot be sharded, got mesh axes {batch!r}")
-    if varlen and time is not None:
-        raise ValueError(f"with `cu_seqlens` the time axis cannot be sharded yet (got mesh axes {time!r}): context "
-                         "parallelism takes dense batches; reshard q, k, v and the gates so that T is whole")
     axes = {"batch": batch, "heads": heads, "seqs": None if varlen else batch, "time": time}
     dims["cu_seqlens"] = ""  # replicated
     names = [n for n in args if args[n] is not None]
@@ -119,15 +116,31 @@ def _context_parallel(compute: Callable, args: dict, time):
     for the delta rules `prod (I - beta k k^T)` (decayed), `[K, K]`, by the op with v = 0 from the identity
     (read as K value columns). It gathers every piece's A and B (the only collective: states, never q, k, v
     or o), folds them from the initial state into the state entering its own piece and the final one, and
-    runs its piece from there. Exact; two passes of the op's work (three for the delta rules)."""
+    runs its piece from there. Exact; two passes of the op's work (three for the delta rules).
+
+    With `cu_seqlens` (one packed row) each device holds a piece of every sequence, empty for those outside it:
+    it runs its tokens as their own packed row (the table clipped to its piece). A sequence's empty pieces map
+    its state to itself (A = I, B = 0), so the fold carries each sequence's initial state unchanged to the
+    device where it starts, and its final state on from where it ends."""
     q, v = args["q"], args["v"]
-    N, HV, K = q.shape[0], v.shape[2], q.shape[3]
+    HV, K = v.shape[2], q.shape[3]
     f32 = jnp.float32
+    cu = args.get("cu_seqlens")
+    if cu is not None:  # (B = 1) the table of this device's tokens
+        T_local = q.shape[1]
+        args = dict(args, cu_seqlens=jnp.clip(cu.astype(jnp.int32) - jax.lax.axis_index(time) * T_local, 0, T_local))
+    N = q.shape[0] if cu is None else cu.shape[0] - 1
     _, B_piece = compute(**dict(args, initial_state=None))
     g = args.get("g")
     diag = args.get("beta") is None
     if diag:  # gated: A = Diag(exp(sum of the piece's gates)), [N, HV, K]
-        total = jnp.zeros((N, HV), f32) if g is None else jnp.sum(g.astype(f32), axis=1)
+        if g is None:
+            total = jnp.zeros((N, HV), f32)
+        elif cu is None:
+            total = jnp.sum(g.astype(f32), axis=1)
+        else:  # per sequence of the packed row
+            ids = _layout.token_sequences(args["cu_seqlens"], q.shape[1])
+            total = jax.ops.segment_sum(g[0].astype(f32), ids, num_segments=N)
         A_piece = jnp.broadcast_to(jnp.exp(total if total.ndim == 3 else total[..., None]), (N, HV, K))
     else:
         eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (N, HV, K, K))

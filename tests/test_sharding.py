@@ -158,6 +158,41 @@ def test_context_parallel_matches_the_unsharded_op(case, mesh_shape):
     assert _spec(o)[1] == "time"  # o stays split along T
 
 
+# one packed row over 8 devices of 256 tokens: sequences crossing several devices, one starting at a device's first
+# token, empty ones (inside, and at T), one ending a token into a device
+CP_VARLEN_CASES = [
+    Case("gated_delta_rule", 1, 2048, 1, 16, 8, HV=2, h0=True, l2norm=True, cu=(0, 0, 300, 512, 1100, 2048, 2048)),
+    Case("simple_gla", 1, 2048, 2, 16, 8, h0=True, cu=(0, 37, 37, 1500, 1793, 2048)),
+    Case("gla", 1, 2048, 2, 16, 8, cu=(0, 768, 2000, 2048)),
+    Case("delta_rule", 1, 2048, 2, 16, 8, h0=True, cu=(0, 5, 2047, 2048)),
+]
+
+
+@pytest.mark.parametrize("case", CP_VARLEN_CASES, ids=str)
+def test_context_parallel_varlen_matches_the_unsharded_op(case):
+    """T sharded with `cu_seqlens`, the packed row's sequences crossing devices: outputs, the final states and
+    every gradient (initial states included) equal the unsharded op's, and only states travel between devices."""
+    diff, _ = make_inputs(case, 7)
+    fwd, grad = _fns(case)
+    want = (jax.jit(fwd)(diff), jax.jit(grad)(diff))
+    mesh = jax.make_mesh((8,), ("time",), axis_types=(AxisType.Explicit,))
+    specs = {n: P(None, None, None, None) if n == "initial_state" else P(None, "time", *([None] * (x.ndim - 2))) for n, x in diff.items()}
+    with jax.set_mesh(mesh):
+        sdiff = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in diff.items()}
+        got = (jax.jit(fwd)(sdiff), jax.jit(grad)(sdiff))
+        state = case.heads_v * case.K * max(case.K, case.V) * (len(case.cu) - 1) * 8  # elements of the gathered states
+        assert state < diff["q"].size
+        for fn in (fwd, grad):
+            hlo = jax.jit(fn).lower(sdiff).compile().as_text()
+            results = [ln.split("=", 1)[1].split(op)[0] for ln in hlo.splitlines() for op in re.findall(rf" ({COLLECTIVES})\(", ln)]
+            sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for r in results for dims in re.findall(r"\w+\[([\d,]*)\]", r)]
+            assert sizes and max(sizes) <= state, (sizes, state)
+    (o, ht), g = got
+    (o0, ht0), g0 = want
+    errs = {"o": err_ratio(o0, o), "ht": err_ratio(ht0, ht)} | {"d" + n: err_ratio(g0[n], g[n]) for n in g0}
+    assert all(e < (5e-4 if n == "dg" else 1e-4) for n, e in errs.items()), errs
+
+
 @pytest.mark.parametrize("name,axis,letter", [("v", 3, "V"), ("k", 3, "K")])
 def test_sharded_head_dim_explicit_is_refused(name, axis, letter):
     case = WHOLE
