@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fla_jax import _pieces
 from fla_jax._tilelang import common, config, runtime
 
 # The token arrays (q, k, v, the gates per step) and what the forward stores for the backward besides h
@@ -75,12 +76,9 @@ def split_forward(p: Problem, pieces: int, scale: float, targets: dict, ins, h0,
     o, ht = runtime.call(p, targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), jax.ShapeDtypeStruct((B * pieces, H, K, V), jnp.float32)),
                   *ins, h0s, first, jnp.full_like(first, m), scale=s)
     chunk = rows[:, :, -1].reshape(B, pieces, m, H)  # a chunk's whole decay
-    ht = ht.reshape(B, pieces, H, K, V)
-    S, enter = jnp.zeros_like(ht[:, 0]), []  # the state entering each piece (piece 0's is in o already)
-    for i in range(pieces):
-        enter.append(S)
-        S = jnp.exp(chunk[:, i].sum(1))[..., None, None] * S + ht[:, i]
-    enter = jnp.stack(enter[1:], axis=1).reshape(-1, H, K, V).astype(q.dtype)  # [B (P - 1), H, K, V], as the pass takes S
+    # the state entering each piece (piece 0's, h0, is in its o and ht already)
+    enter, S = _pieces.fold(jnp.exp(chunk.sum(2)), ht.reshape(B, pieces, H, K, V), None, diag=True)
+    enter = enter[:, 1:].reshape(-1, H, K, V).astype(q.dtype)  # [B (P - 1), H, K, V], as the pass takes S
     d = (jnp.cumsum(chunk[:, 1:], axis=2) - chunk[:, 1:]).reshape(-1, m, H)  # decay of the piece's chunks before
     o = runtime.call(p, targets["enter"], common.like(o), q, rows, d, enter, first.reshape(B, pieces)[:, 1:].reshape(-1), scale=s, init=(o,))
     return o.reshape(B, nt * C, H, V), S
