@@ -22,7 +22,7 @@ from fla_jax._problem import Problem
 # where each program kind takes the gates among its inputs (as `_gates_for` forms them for the dispatched program;
 # an experiment may take them otherwise: `programs` then forms them from its config)
 GATE_ARGS = {"simple_gla": {"fused": 3, "fused_h": 3, "dh": 2},
-             "delta": {"fused": 4, "fused_h": 4, "dh": 4, "wy": 2, "wy_t": 2, "wy_t_l2": 3, "inv": 1, "inv_l2": 2}}
+             "delta": {"fused": 4, "fused_s": 4, "fused_h": 4, "dh": 4, "wy": 2, "wy_t": 2, "wy_t_l2": 3, "inv": 1, "inv_l2": 2}}
 
 
 def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
@@ -105,7 +105,8 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         }
         # the training forward's WY kernel (dispatched at K <= 128; an experiment at 256) and the consumer, where built
         calls["wy_t_l2"] = ((like(k), like(v), tm, like(q), like(k), col32, col32), (q, k, v, G, beta), {})
-        if D <= 128:
+        if D <= 128:  # (and the pass carrying states alone)
+            calls["fused_s"] = ((like(v), like(v), final), (q, k, w, u, gates("fwd", "fused_s"), h0, cstart, ccount), {"scale": s})
             calls["dqkvg_l2"] = ((like(q), like(k), split(G)), (q, k, v, G, h, do, h, r), {"scale": s})
         calls["wy_bwd_l2"] = ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k, r), {})
         if D <= 128:  # the consumer and the WY VJP in one program (G, beta and r as per-chunk rows; u standing in for du)

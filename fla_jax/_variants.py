@@ -162,6 +162,11 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("store_h", True), *G_ROWS, *ROW_FACTORS), dims=(64, 128)),
         Program(name="fused_h", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "h", "ht"),
                 config=(("store_h", True), *ROW_FACTORS), dims=(256,)),
+        # the chain alone (`states_only`: no q loaded, o and v_new left unwritten, the output warpgroup idle) for the
+        # passes over pieces of a sequence that carry states under a gradient (`fla_jax._tilelang.delta.carry_pass`):
+        # from zero states, and the map of an identity state that the backward shares
+        Program(name="fused_s", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"),
+                config=(("states_only", True), *G_ROWS, *ROW_FACTORS), dims=(64, 128)),
         # the forward with no gradient under DELTA_FWD_INVERSE: the gate-free inverse alone, then a state
         # pass that forms v_new from it with no w and u (jla's fused_fwd_wy)
         # (at K <= 128 also writing G and beta as the rows of `gr [NT, HV, 2, C]`, which the state pass loads by
@@ -299,15 +304,6 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 # Alternative kernel configs declared for one variant only, for benchmarks/bench_kernels.py to compare; the
 # dispatch never calls them, and only `build.py --experiments` builds them (the default build, CI and an install
 # hold the dispatched programs alone).
-# The delta rules' state pass with the chain alone (`states_only`: no q loaded, o and v_new left unwritten, the output
-# warpgroup idle), standing in for `fused` where only the final states are read: the passes over pieces of a
-# sequence that carry states (`fla_jax._tilelang.common.state_pass`: under a gradient the forward's pass from zero
-# states and its map of an identity state, which the backward shares). Built 2026-12-06 but not yet run on a GPU (no
-# device time was left): where `fused`'s o is read (the forward with no gradient at a K outside
-# `Config.delta_fwd_inverse`) it must not stand in.
-X_FUSED_STATES: Final = Program(name="x_fused_states", of="fused", module="delta.fwd", builder="chunk_delta_fwd",
-                                outputs=("o", "vnew", "ht"), config=(("states_only", True), *G_ROWS, *ROW_FACTORS))
-
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks). The
     # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when
@@ -370,7 +366,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_wy_t_tma", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("tma_t", True))),
         Program(name="x_fused_1wg", of="fused", module="delta.fwd", builder="chunk_delta_fwd_1wg", outputs=("o", "vnew", "ht")),
-        X_FUSED_STATES,
         Program(name="x_fused_s3", of="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"),
                 config=(("stages", 3),)),
         Program(name="x_fused_h_1wg", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd_1wg",
@@ -396,7 +391,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ),
     # the inverse summing the gates per step itself (G_SCAN) at K = 64, and the training WY kernel so (as at 128)
     ("delta", "fwd", "bf16", 64): (
-        X_FUSED_STATES,
         Program(name="x_inv_l2_scan", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
                 config=(*INV_L2, *MB8, *G_SCAN)),
         Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,

@@ -343,6 +343,13 @@ def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
     return o, vn, ht
 
 
+def delta_fwd_fused_s(q, k, w, u, G, h0, cstart, ccount, *, scale):
+    """`chunk_delta_fwd(states_only=True)`: the final states alone; o and v_new unwritten (NaN here, so that a
+    reader of them fails)."""
+    o, vn, ht = delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, scale=scale)
+    return jnp.full_like(o, jnp.nan), jnp.full_like(vn, jnp.nan), ht
+
+
 def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
     """kernels/delta/bwd.py `chunk_delta_bwd_dh(store_du=True)`: dh (after each chunk), dh0 and
     du, the gradient of v_new (input dtype)."""
@@ -496,7 +503,7 @@ def delta_bwd_grads_l2(q, k, v, vn, G, beta, Tm, h, do, dh, du, rq, rk, *, scale
 
 
 DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": delta_inv_l2, "_fused_t_l2": delta_fwd_fused_t_l2,
-                  "_fused_t_v32": delta_fwd_fused_t, "_fused_t_l2_v32": delta_fwd_fused_t_l2, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
+                  "_fused_t_v32": delta_fwd_fused_t, "_fused_t_l2_v32": delta_fwd_fused_t_l2, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_s": delta_fwd_fused_s, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
                   "_wy_t": delta_wy_t, "_wy_t_l2": delta_wy_t_l2, "_dqkvg": delta_bwd_dqkvg, "_dqkvg_l2": delta_bwd_dqkvg_l2,
                   "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2, "_grads": delta_bwd_grads, "_grads_l2": delta_bwd_grads_l2}
 

@@ -85,12 +85,19 @@ def forward(c: common.Chunks):
     ins = (qf, kf, *wy[:2], common.gates_for(p, "fwd", K, state_name, G, C, grows))
     rows = lambda x, per_chunk: x.reshape(c.B, (NT if per_chunk else NT * C) // c.B, *x.shape[1:])
     stored = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if c.store_h else ()
-    light = ("fused", (*ins[:4], common.gates_for(p, "fwd", K, "fused", G, C, grows)))  # (storing no h: the pieces' other passes)
+    carry = carry_pass(c.targets())  # (storing no h, writing no o: the pieces' other passes)
+    light = (carry, (*ins[:4], common.gates_for(p, "fwd", K, carry, G, C, grows)))
     o, v_new, *h, ht = common.state_pass(c, ins, 1, light=light, values_at=3)
     if stored:  # and v_new, for the backward's consumer kernel
         stored = (*stored, c.unflat(v_new))
     sums = common.stored_sums(c, G, grows)
     return (c.unflat(o), *h, *stored, *norms, *sums, ht)
+
+
+def carry_pass(targets: dict[str, str]) -> str:
+    """The program of the passes over pieces that carry states alone under a gradient (`common.state_pass`'s
+    `light`): the chain alone (`fused_s`, K <= 128), else the forward pass storing no h (`fused`)."""
+    return "fused_s" if "fused_s" in targets else "fused"
 
 
 def wy_name(store_h: bool, l2norm: bool) -> str:
@@ -194,16 +201,18 @@ def backward(b: common.Reverse, stored, l2norm: bool):
 
 def _piece_maps(b: common.Reverse, qf, kf, wd, Gf, first, count):
     """The forward's map of the state across each piece of the reverse pass (`common.reverse_pass`) `[pieces,
-    HV, K, K]`: the forward state pass storing no h (`fused`) from an identity state with the values u zeroed (the
+    HV, K, K]`: the forward's pass carrying states alone (`carry_pass`) from an identity state with the values u zeroed (the
     same call as the forward's: under one jit XLA computes it once)."""
     p, C, K = b.p, b.C, b.K
     HV = wd.shape[1]
     zero = jnp.zeros((*wd.shape[:2], K), wd.dtype)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (first.shape[0], HV, K, K))
-    gates = common.gates_for(p, "fwd", K, "fused", Gf, C, b.grows)
+    targets = common.targets(p, "fwd", K, K)
+    carry = carry_pass(targets)
+    gates = common.gates_for(p, "fwd", K, carry, Gf, C, b.grows)
     token = common.like(zero)
     ends = jax.ShapeDtypeStruct(eye.shape, jnp.float32)
-    return runtime.call(p, common.targets(p, "fwd", K, K)["fused"], (token, token, ends), qf, kf, wd, zero, gates, eye, first, count, scale=b.s)[-1]
+    return runtime.call(p, targets[carry], (token, token, ends), qf, kf, wd, zero, gates, eye, first, count, scale=b.s)[-1]
 
 
 def _two_programs(b: common.Reverse, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, du, rq, rk, q_norm, k_norm, group_sum):
