@@ -1,6 +1,6 @@
 """Builds fla_jax's CUDA kernels ahead of time, on a machine with or without a GPU.
 
-    python build.py [--jobs N] [--force] [--experiments] [--wheel]
+    python build.py [--jobs N] [--force] [--experiments [NAMES]] [--wheel]
 
 For every dispatched program of every variant in `kernels/variants.py` (and with `--experiments` the
 experimental ones declared beside them):
@@ -440,8 +440,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Builds fla_jax's TileLang kernels and FFI extension.")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--force", action="store_true", help="rebuild every kernel, ignoring the cache")
-    ap.add_argument("--experiments", action="store_true",
-                    help="also build the experimental programs (kernels/variants.py EXPERIMENTS), for benchmarks")
+    ap.add_argument("--experiments", nargs="?", const="*", default="", metavar="NAMES",
+                    help="also build the experimental programs (kernels/variants.py EXPERIMENTS), for benchmarks; "
+                         "NAMES (comma-separated, e.g. x_fused_states) builds those experiments alone")
     ap.add_argument("--wheel", action="store_true",
                     help="then write dist/fla_jax-<version>-cp312-abi3-<platform>.whl: the runtime and the extension")
     args = ap.parse_args(argv)
@@ -461,7 +462,12 @@ def main(argv=None) -> int:
 
     GEN.mkdir(parents=True, exist_ok=True)
     tl_root = Path(tilelang.__file__).parent
-    work = [(v, p, content_key(v, p)) for v in VARIANTS for p in (v.declared if args.experiments else v.programs)]
+    names = set(args.experiments.split(",")) - {""}
+    if names - {"*"} and not names & {p.name for v in VARIANTS for p in v.experiments}:
+        print(f"build.py: --experiments {args.experiments}: no experiment of that name in kernels/variants.py")
+        return 1
+    work = [(v, p, content_key(v, p)) for v in VARIANTS for p in v.declared
+            if p in v.programs or "*" in names or p.name in names]
     todo = []
     for v, p, key in work:
         meta_file = GEN / f"{v.target(p)}.json"
