@@ -15,7 +15,7 @@ import numpy as np
 
 from bench import _jax_time
 from fla_jax import tilelang_backend as tb
-from fla_jax._tilelang import common, delta, runtime
+from fla_jax._tilelang import common, delta, plan, runtime
 from fla_jax._problem import Problem
 
 
@@ -43,9 +43,9 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     s = np.float32(D**-0.5)
     p = Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
-    run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: runtime.call(p, common.targets(p, direction, D, D)[name], results, *b, **kw))(*a)
+    run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: runtime.call(p, plan.targets(p, direction, D, D)[name], results, *b, **kw))(*a)
     # the consumer's dv (and but for GLA dg): whole, or in float32 parts where it splits the key channels
-    parts = common.value_parts(p, D, D)
+    parts = plan.value_parts(p, D, D)
     split = lambda a: like(a) if parts == 1 else jax.ShapeDtypeStruct((parts, *a.shape), jnp.float32)
     gates = lambda direction, name: common.gates_for(p, direction, D, name, G, 64)  # columns, or per-chunk rows (`g_rows`)
     r = jnp.ones(G.shape, jnp.float32)  # 1 / |x| of rows already normalised
@@ -146,7 +146,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             a_x, G_x = run("fwd", "a", am, q, k, gk * factor, scale=s)[:2]
             for direction, name, args in (("fwd", "a", (q, k, gk * factor)), ("bwd", "dqkvg", (q, k, v, G_x, a_x, h, do, h))):
                 results, _, attrs = calls[name]
-                yield f"{direction}:{name}@{label}", _kernel(p, common.targets(p, direction, D, D)[name], results, attrs), args
+                yield f"{direction}:{name}@{label}", _kernel(p, plan.targets(p, direction, D, D)[name], results, attrs), args
 
 
 def _kernel(p, target, results, attrs):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from fla_jax import _backends, ops, tilelang_backend
+from fla_jax._tilelang import plan as _planner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Explanation:
       training: those of `value_and_grad` (the forward storing what the backward needs, and the backward).
       tiling: how the call's K and V map onto the programs, which are built for K = V (`fla_jax._tiling`):
         e.g. V in parts as more value heads; None where the kernels do not take the call.
+      plan: the planner's choices (`fla_jax._tilelang.plan`): the programs by kind and the pieces each
+        sequence's state passes walk, with no gradient and under one; None where the kernels do not take it.
     """
 
     op: str
@@ -35,12 +38,14 @@ class Explanation:
     forward: tuple[str, ...]
     training: tuple[str, ...]
     tiling: str | None = None
+    plan: _planner.Plan | None = None
 
     def __str__(self) -> str:
         lines = [f"{self.op}: backend {self.backend}" + (f" (not the TileLang kernels: {self.reason})" if self.reason else "")]
         if self.kernels_take_it:
             where = "" if self.backend == "tilelang" else " on a Hopper GPU with the extension built"
             lines.append(f"  head dims: {self.tiling}")
+            lines.append(f"  planner: {self.plan}")
             lines.append(f"  kernels{where}: forward {', '.join(self.forward)}")
             lines.append(f"  kernels{where}: training step {', '.join(self.training)}")
         return "\n".join(lines)
@@ -77,11 +82,26 @@ def explain(fn, *args, **kwargs) -> Explanation:
     else:
         reason = coverage or here
     forward = training = ()
-    tiling = None
+    tiling = chosen = None
     if coverage is None:
         forward, training = _kernel_programs(plan)
         tiling = str(tilelang_backend.tiling(problem, call["K"], call["V"]))
-    return Explanation(getattr(fn, "__name__", str(fn)), plan["backend"], coverage is None, reason, forward, training, tiling)
+        chosen = planned(plan)
+    return Explanation(getattr(fn, "__name__", str(fn)), plan["backend"], coverage is None, reason, forward, training, tiling, chosen)
+
+
+def planned(plan) -> _planner.Plan:
+    """The planner's choices for a call the kernels take, from its shapes as the op records them."""
+    problem, call, shapes = plan["problem"], plan["call"], plan["args"]
+    config = plan["asked"] if isinstance(plan["asked"], tilelang_backend.Config) else None
+    p = tilelang_backend.configured(problem, config)
+    t = tilelang_backend.tiling(p, call["K"], call["V"])
+    B, T = shapes["q"].shape[:2]
+    HV = shapes["v"].shape[2] * t.k_parts * t.v_parts  # (the parts run as more heads)
+    cu = shapes.get("cu_seqlens")
+    N, C = (B, p.chunk_size) if cu is None else (cu.shape[0] - 1, p.chunk_size)
+    NT = B * -(-T // C) if cu is None else -(-(T + N * (C - 1)) // C)  # (`fla_jax._layout`: each sequence from a chunk boundary)
+    return _planner.plan(p, K=t.D, V=t.D, N=N, HV=HV, nt=NT // N, l2norm=call["l2norm"], varlen=cu is not None)
 
 
 def _kernel_programs(plan) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -2,7 +2,7 @@
 called through XLA FFI custom calls.
 
 One module per op in `fla_jax._tilelang` (`simple_gla`, `gla`, `delta`: the delta rule and GDN), each with
-its forward and backward; what they share there (`common`: program lookup, layouts, the state pass;
+its forward and backward; what they share there (`plan`: every choice of programs and pieces; `common`: layouts, the state pass;
 `runtime`: the extension; `config`: `Config`). This module is the backend's face: which calls the kernels
 take (`unsupported`, with the reason; `tiling` for K != V), `run`, and the custom VJP around the ops'
 forward and backward, each partitioned along batch and heads (`fla_jax._partition`). bf16/fp16, K and V
@@ -13,13 +13,14 @@ falls back to `xla` for anything else, and says so (`fla_jax.explain`).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fla_jax import _layout, _partition, _tiling, xla
 from fla_jax._problem import Problem, l2_normalise
-from fla_jax._tilelang import common, delta, gla, simple_gla
+from fla_jax._tilelang import common, delta, gla, plan, simple_gla
 from fla_jax._tilelang.config import DEFAULT, Config, Configured, configured
 from fla_jax._tilelang.runtime import IMPORT_ERROR, registered, status
 from fla_jax._variants import HEAD_DIMS, find as _find_variant
@@ -86,30 +87,75 @@ def tiling(p: Problem, K: int, V: int) -> _tiling.Tiling:
     return t
 
 
+TABLES = ("n", "n")  # the varlen tables' layouts: each sequence's first chunk and chunk count
+
+
+class Stored(NamedTuple):
+    """The forward's results under a gradient (`fwd_h`), in the order its partitioned function returns them: each
+    field a tuple of arrays (`h`, `ht` of one). Declared once as layouts (`_stored_layouts`), which
+    `_partitioned_with` and `_op_fwd` both read."""
+
+    o: tuple  # [B, T, HV, V]
+    h: tuple  # the state before each chunk [B, NT_b, HV, K, V]
+    stored: tuple  # what the op's backward reads (its module's STORED)
+    normed: tuple  # q, k normalised and their 1 / |x|, where the forward's WY kernel normalised them (`l2norm`)
+    sums: tuple  # the gates' in-chunk sums G (but for GLA, whose are among `stored`)
+    rows: tuple  # G's per-chunk rows [B, NT_b, HV, C] where `store_rows`
+    ht: tuple  # the final states
+
+
+class Residuals(NamedTuple):
+    """What the forward keeps for the backward (`_op_fwd` to `_op_bwd`), in the order the backward's partitioned
+    function takes them, before o's and the final state's cotangents. Declared once as layouts
+    (`_residual_layouts`), which `_partitioned_with` and `_backward` both read."""
+
+    tokens: tuple  # the token arrays: G in place of the gates per step (but GLA's), q and k normalised under l2norm
+    h: tuple  # as `Stored.h`
+    stored: tuple  # as `Stored.stored`
+    norms: tuple  # 1 / |q|, 1 / |k| [B, T, H] under l2norm (the gradients are then the raw q's and k's)
+    rows: tuple  # as `Stored.rows`
+    tables: tuple  # the varlen tables
+
+
+def _stored_layouts(p: Problem, l2norm: bool, store_rows: bool, state: str) -> Stored:
+    """Each `Stored` field's partitioning layouts (`fla_jax._partition`)."""
+    return Stored(o=("bthv",), h=("bchkv",), stored=_module(p).STORED, normed=("bthk", "bthk", "bth", "bth") if l2norm else (),
+                  sums=() if p.op == "gla" else ("bth",), rows=("bchr",) if store_rows else (), ht=(state,))
+
+
+def _residual_layouts(p: Problem, l2norm: bool, store_rows: bool, varlen: bool) -> Residuals:
+    """Each `Residuals` field's partitioning layouts."""
+    return Residuals(tokens=_module(p).TOKENS, h=("bchkv",), stored=_module(p).STORED, norms=("bth", "bth") if l2norm else (),
+                     rows=("bchr",) if store_rows else (), tables=TABLES if varlen else ())
+
+
+def _flat(layouts: tuple) -> tuple[str, ...]:
+    """The items of a named tuple of tuples (layouts, or arrays), in order."""
+    return tuple(x for field in layouts for x in field)
+
+
+def _split(layouts: NamedTuple, arrays):
+    """`arrays` (flat, in `layouts`' order) as the named tuple of `layouts`' type, and the arrays after them."""
+    fields, i = [], 0
+    for field in layouts:
+        fields.append(tuple(arrays[i : i + len(field)]))
+        i += len(field)
+    return type(layouts)(*fields), tuple(arrays[i:])
+
+
 def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool, store_rows: bool, *arrays):
     """The op's forward (`_module(p).forward`) on (token arrays, h0 where `has_h0`, varlen tables): `(o, ht)`,
-    or with `store_h` `(o, h, *stored, ht)`, h `[B, NT, HV, K, V]` the state before each chunk and `stored` what
-    the op's backward reads (its module's `STORED`, then for the delta rules the normalised q, k and their
-    `1 / |x|` where its WY kernel normalised them (`l2norm`), then but for GLA the in-chunk sums G and, where
-    `store_rows` (`common.stores_gate_rows`), their per-chunk rows `[B, NT_b, HV, C]`). `l2norm`: q and k
-    raw, normalised by the kernels."""
+    or with `store_h` the fields of `Stored` in order. `l2norm`: q and k raw, normalised by the kernels."""
     n = len(_module(p).TOKENS)
     tokens, h0, tables = arrays[:n], arrays[n] if has_h0 else None, arrays[n + has_h0 :]
     return _module(p).forward(common.chunks(p, scale, store_h, l2norm, store_rows, tokens, h0, tables))
 
 
-def _backward(p: Problem, scale: float, l2norm: bool, has_h0: bool, store_rows: bool, has_dht: bool, *arrays):
-    """Gradients of the token arrays (the gates' per step) and of h0 where `has_h0`, from (token arrays, h,
-    *stored, *norms, G's rows where `store_rows`, tables, do, dht where `has_dht`: none where the loss takes
-    no final state); stored as `_forward` keeps it, the token arrays with the gates' in-chunk sums G in place
-    of the gates (but GLA's); with `l2norm` they hold the normalised q and k, `norms` their `1 / |x|`
-    (`[B, T, H]` float32), and the gradients are the raw q's and k's."""
-    m = _module(p)
-    n = len(m.TOKENS)
-    end = n + 1 + len(m.STORED) + (2 if l2norm else 0) + store_rows
-    ct = 1 + has_dht  # (do, and dht where the loss takes the final state)
-    tokens, h, stored, tables, (do, *dht) = arrays[:n], arrays[n], arrays[n + 1 : end], arrays[end:-ct], arrays[-ct:]
-    b, stored = common.reverse(p, scale, l2norm, has_h0, store_rows, tokens, h, stored, tables, do, dht)
+def _backward(p: Problem, scale: float, l2norm: bool, has_h0: bool, store_rows: bool, varlen: bool, has_dht: bool, *arrays):
+    """Gradients of the token arrays (the gates' per step) and of h0 where `has_h0`, from the `Residuals`' arrays,
+    then do, then dht where `has_dht` (none where the loss takes no final state)."""
+    res, (do, *dht) = _split(_residual_layouts(p, l2norm, store_rows, varlen), arrays)
+    b, stored = common.reverse(p, scale, has_h0, res.tokens, res.h[0], res.stored, res.norms, res.rows, res.tables, do, dht)
     if p.delta:
         return delta.backward(b, stored, l2norm)
     return gla.backward(b, stored) if p.op == "gla" else simple_gla.backward(b)
@@ -122,10 +168,10 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
     (see `fla_jax._partition`). Varlen calls (one row) carry the per-sequence tables and initial
     states whole. `p` carries the call's `Config` (a key of the cache).
     `l2norm`: the backward takes the norms' reciprocals and returns the raw q's and k's gradients;
-    the forward (`fwd`, where `delta.folds_l2norm`) takes the raw q and k and normalises them itself.
+    the forward (`fwd`, where `plan.folds_l2norm`) takes the raw q and k and normalises them itself.
     `has_h0`: initial states among the arrays (and their gradient among the backward's results).
     `store_rows` (`fwd_h`, `bwd`): G's per-chunk rows among the forward's results and the
-    backward's arrays (`common.stores_gate_rows`). `has_dht` (`bwd`): the final state's cotangent among
+    backward's arrays (`plan.stores_gate_rows`). `has_dht` (`bwd`): the final state's cotangent among
     the arrays (none where the loss takes no final state)."""
     return _partitioned_with(p, scale, direction, varlen, l2norm, has_h0, store_rows, has_dht)
 
@@ -133,19 +179,15 @@ def _partitioned(p: Problem, scale: float, direction: str, varlen: bool, l2norm:
 @functools.cache
 def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2norm: bool, has_h0: bool, store_rows: bool,
                       has_dht: bool):
-    state, tables = ("nhkv", ("n", "n")) if varlen else ("bhkv", ())
+    state = "nhkv" if varlen else "bhkv"
     m = _module(p)
-    rows = ("bchr",) if store_rows else ()  # G's per-chunk rows [B, NT_b, HV, C]
     if direction == "bwd":
-        norms = ("bth", "bth") if l2norm else ()
-        ins = m.TOKENS + ("bchkv",) + m.STORED + norms + rows + tables + ("bthv",) + (state,) * has_dht
+        ins = _flat(_residual_layouts(p, l2norm, store_rows, varlen)) + ("bthv",) + (state,) * has_dht
         outs = m.TOKENS + (state,) * has_h0
-        fn = functools.partial(_backward, p, scale, l2norm, has_h0, store_rows, has_dht)
+        fn = functools.partial(_backward, p, scale, l2norm, has_h0, store_rows, varlen, has_dht)
     else:
-        ins = m.TOKENS + (state,) * has_h0 + tables
-        norms = ("bthk", "bthk", "bth", "bth") if l2norm else ()  # (fwd_h from the raw q, k: their y and 1 / |x|)
-        sums = () if p.op == "gla" else ("bth",) + rows  # (fwd_h: G, and its rows)
-        outs = ("bthv", "bchkv") + m.STORED + norms + sums + (state,) if direction == "fwd_h" else ("bthv", state)
+        ins = m.TOKENS + (state,) * has_h0 + (TABLES if varlen else ())
+        outs = _flat(_stored_layouts(p, l2norm, store_rows, state)) if direction == "fwd_h" else ("bthv", state)
         fn = functools.partial(_forward, p, scale, direction == "fwd_h", l2norm, has_h0, store_rows)
     return _partition.batch_head_partitioned(fn, ins, outs)
 
@@ -155,9 +197,9 @@ def _op(p, scale, l2norm, has_h0, *arrays):
     """`(o, ht)` from (token arrays, h0 where `has_h0`, varlen tables); gradients by the backward
     kernels. The gates per step (their in-chunk sums are taken inside the forward and backward,
     `_forward` / `_backward`: by XLA, or by the kernel that reads them). With `l2norm` q and k (the first two arrays) are l2-normalised first:
-    by the kernels where `delta.folds_l2norm`, else by XLA."""
+    by the kernels where `plan.folds_l2norm`, else by XLA."""
     n = len(_module(p).TOKENS)
-    folded = l2norm and delta.folds_l2norm(p, arrays[0].shape[-1])
+    folded = l2norm and plan.folds_l2norm(p, arrays[0].shape[-1])
     if l2norm and not folded:
         arrays = (*(l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in arrays[:2]), *arrays[2:])
     return _partitioned(p, scale, "fwd", len(arrays) > n + has_h0, folded, has_h0)(*arrays)
@@ -167,30 +209,30 @@ def _op_fwd(p, scale, l2norm, has_h0, *arrays):
     arrays = tuple(a.value for a in arrays)  # (`symbolic_zeros`: each a `CustomVJPPrimal`)
     n = len(_module(p).TOKENS)
     norms = ()
-    folded = l2norm and delta.folds_l2norm_h(p, arrays[0].shape[-1])
+    folded = l2norm and plan.folds_l2norm_h(p, arrays[0].shape[-1])
     if l2norm and not folded:  # the normalised q, k in place of the raw ones, and 1 / |q|, 1 / |k| for the backward
         qn, kn, *norms = delta.norm_partitioned(p)(*arrays[:2])
         arrays = (qn, kn, *arrays[2:])
-    store_rows = common.stores_gate_rows(p, arrays[0].shape[-1])
-    o, h, *wy, ht = _partitioned(p, scale, "fwd_h", len(arrays) > n + has_h0, folded, has_h0, store_rows)(*arrays)
-    rows = (wy.pop(),) if store_rows else ()
-    if p.op != "gla":  # the in-chunk sums G in place of the gates per step (GLA's are among wy)
-        arrays = (*arrays[:3], wy.pop(), *arrays[4:])
+    store_rows = plan.stores_gate_rows(p, arrays[0].shape[-1])
+    tokens, tables = arrays[:n], arrays[n + has_h0 :]
+    outs = _partitioned(p, scale, "fwd_h", bool(tables), folded, has_h0, store_rows)(*arrays)
+    st, _ = _split(_stored_layouts(p, folded, store_rows, ""), outs)
+    if p.op != "gla":  # the in-chunk sums G in place of the gates per step (GLA's are among `stored`)
+        tokens = (*tokens[:3], *st.sums, *tokens[4:])
     if folded:  # (the WY kernel normalised them)
-        *wy, qn, kn, rq, rk = wy
-        arrays, norms = (qn, kn, *arrays[2:]), (rq, rk)
-    return (o, ht), (arrays[:n], h, (*wy, *norms, *rows), arrays[n + has_h0 :])
+        qn, kn, *norms = st.normed
+        tokens = (qn, kn, *tokens[2:])
+    res = Residuals(tokens=tokens, h=st.h, stored=st.stored, norms=tuple(norms), rows=st.rows, tables=tables)
+    return (st.o[0], st.ht[0]), res
 
 
-def _op_bwd(p, scale, l2norm, has_h0, res, ct):
-    tokens, h, wy, tables = res
+def _op_bwd(p, scale, l2norm, has_h0, res: Residuals, ct):
     do, dht = ct  # (`symbolic_zeros`: a `SymbolicZero` for an output the loss does not take)
     zero = lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
-    do = jnp.zeros(do.aval.shape, tokens[0].dtype) if zero(do) else do.astype(tokens[0].dtype)
+    do = jnp.zeros(do.aval.shape, res.tokens[0].dtype) if zero(do) else do.astype(res.tokens[0].dtype)
     dht = () if zero(dht) else (dht,)  # (then the reverse passes start from zeros themselves)
-    store_rows = common.stores_gate_rows(p, tokens[0].shape[-1])  # (as `_op_fwd` decided it)
-    grads = _partitioned(p, scale, "bwd", bool(tables), l2norm, has_h0, store_rows, bool(dht))(*tokens, h, *wy, *tables, do, *dht)
-    return (*grads, *(None for _ in tables))
+    grads = _partitioned(p, scale, "bwd", bool(res.tables), l2norm, has_h0, bool(res.rows), bool(dht))(*_flat(res), do, *dht)
+    return (*grads, *(None for _ in res.tables))
 
 
 # `symbolic_zeros`: the backward learns which outputs the loss takes (most training losses take o alone)

@@ -263,6 +263,59 @@ def test_explain_takes_packed_calls_and_refuses_other_functions():
         fla_jax.explain(lambda x: x, x)
 
 
+# Calls that take each of the planner's rules: whole sequences, pieces (one long sequence, few heads), simple GLA's
+# forward split, V blocks of 32 in the delta rules' forward from the inverse, grouped heads, K != V, K = 256 (no
+# folded norms, split consumers), varlen, and a `Config` that turns the delta rules' kernels off one by one.
+PLANNED = [
+    ("chunk_gated_delta_rule", (4, 4096, 16, 16, 128, 128), None, {"use_qk_l2norm_in_kernel": True}),
+    ("chunk_gated_delta_rule", (1, 32768, 16, 16, 128, 128), None, {"use_qk_l2norm_in_kernel": True}),
+    ("chunk_gated_delta_rule", (2, 8192, 2, 4, 64, 64), None, {}),
+    ("chunk_gated_delta_rule", (2, 512, 4, 8, 128, 256), None, {}),
+    ("chunk_gated_delta_rule", (2, 512, 4, 4, 256, 256), None, {"use_qk_l2norm_in_kernel": True}),
+    ("chunk_delta_rule", (1, 4096, 2, 2, 128, 128), (0, 100, 100, 3000, 4096), {"use_qk_l2norm_in_kernel": True}),
+    ("chunk_simple_gla", (1, 32768, 16, 16, 128, 128), None, {}),
+    ("chunk_simple_gla", (1, 8192, 4, 4, 64, 64), (0, 5000, 8192), {}),
+    ("chunk_gla", (1, 16384, 4, 4, 64, 64), None, {}),
+    ("chunk_gla", (2, 512, 4, 4, 256, 256), None, {}),
+]
+
+
+@pytest.mark.parametrize("op,shape,cu,kw", PLANNED, ids=[f"{o}-{'x'.join(map(str, s))}{'-varlen' if c else ''}" for o, s, c, _ in PLANNED])
+def test_the_planner_names_the_programs_a_call_lowers_to(op, shape, cu, kw):
+    """The planner (`fla_jax._tilelang.plan`) is where dispatch is decided: the programs it names for a call's forward
+    and training step are those the call lowers to for CUDA (`fla_jax.explain`), and its pieces are those the state
+    passes walk."""
+    from fla_jax import _explain, ops
+    from fla_jax.tilelang_backend import Config
+
+    S = jax.ShapeDtypeStruct
+    B, T, H, HV, K, V = shape
+    x, v = S((B, T, H, K), jnp.bfloat16), S((B, T, HV, V), jnp.bfloat16)
+    g = S((B, T, HV, K) if op == "chunk_gla" else (B, T, HV), jnp.float32)
+    args = {"chunk_simple_gla": (x, x, v, g), "chunk_gla": (x, x, v, g), "chunk_delta_rule": (x, x, v, S((B, T, HV), jnp.float32)),
+            "chunk_gated_delta_rule": (x, x, v, g, g)}[op]
+    extra = {} if cu is None else {"cu_seqlens": S((len(cu),), jnp.int32)}
+    configs = [Config()] + ([Config(delta_grads_kernel=()), Config(delta_grads_kernel=(), delta_wy_bwd_kernel=False)] if "delta" in op and K == 128 else [])
+    fn = getattr(fla_jax, op)
+    e = fla_jax.explain(fn, *args, **kw, **extra)
+    assert str(e.plan) in str(e)
+    plans = []
+    token = ops.PLANS.set(plans)
+    try:
+        jax.eval_shape(lambda a, arrays: fn(*a, **kw, **arrays), args, extra)
+    finally:
+        ops.PLANS.reset(token)
+    kinds = lambda names: {n.rsplit("_c64_", 1)[1] for n in names}
+    for cfg in configs:  # (the call as the kernels take it under each configuration: lowered for CUDA, on any machine)
+        call = dict(plans[0], asked=cfg)
+        forward, training = _explain._kernel_programs(call)
+        planned = _explain.planned(call)
+        assert kinds(forward) == set(planned.forward), (cfg, forward, planned)
+        assert kinds(training) == set(planned.training), (cfg, training, planned)
+    if T >= 16384 and B * HV <= 16:  # (few programs: the passes in pieces)
+        assert planned.training_pieces > 1 and planned.forward_pieces > 1, planned
+
+
 def test_kernels_and_runtime_share_the_gate_floor():
     """GLA's kernel clamps its per-channel gates at the value the runtime clamps scalar gates at."""
     pytest.importorskip("tilelang")  # (the build extra: CI has it)

@@ -17,7 +17,7 @@ from cases import DELTA_BWD_MODES, delta_bwd_config, GATE_SCAN_EXPERIMENTS, OPS,
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _problem, tilelang_backend
-from fla_jax._tilelang import common, delta, runtime
+from fla_jax._tilelang import common, plan, runtime
 from fla_jax.tilelang_backend import Config
 from fla_jax import _variants as variants
 
@@ -180,7 +180,7 @@ def test_tilelang_simple_gla_forward_split(case):
     assert all(e <= 0.004 for e in errs.values()), errs
 
 
-# few programs: each sequence walked in pieces by every state pass (`common.pieces`); varlen with a long sequence, short
+# few programs: each sequence walked in pieces by every state pass (`plan.pieces`); varlen with a long sequence, short
 # and empty ones
 PIECE_GPU_CASES = [
     Case("simple_gla", 1, 4096, 2, 128, 128, dtype="bfloat16", h0=True),
@@ -202,7 +202,7 @@ def test_tilelang_state_passes_in_pieces(case):
     (`split_programs=0`)."""
     N = case.B if case.cu is None else len(case.cu) - 1
     nt = (case.T + N * 63) // 64 // N
-    assert common.pieces(_problem.Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), N, case.HV or case.H, case.V, nt) > 1
+    assert plan.pieces(_problem.Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), N, case.HV or case.H, case.V, nt) > 1
     delta = case.op in ("delta_rule", "gated_delta_rule")
     limit = lambda n: (0.006 if n in ("o", "ht") else 0.02 if n in ("dbeta", "dg") else 0.008) if delta else 0.004 if n[0] in "oh" else 0.005
     for programs in (132, 0):
@@ -380,7 +380,7 @@ def test_tilelang_without_initial_state(case, scan):
 
 def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None = None):
     """(results, args, attrs) for one program kind on 2 sequences of 192 and 320 tokens, as the
-    program of that kind that runs (`common.program`: an experiment where
+    program of that kind that runs (`plan.program`: an experiment where
     `Config.experiments` puts one in its place) takes them: the gates summed in chunks (columns,
     or per-chunk rows), or per step where it sums them itself."""
     rng = np.random.default_rng(5)
@@ -395,7 +395,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
     prob = tilelang_backend.configured(_problem.Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype), cfg)
     gates_for = lambda direction: common.gates_for(prob, direction, D, name, G, 64)  # G as program `name` takes it
     # the forward's program `name` takes the gates per step (and sums them itself)
-    takes_steps = lambda: common.program_config(prob, "fwd", D, name).get("g_scan")
+    takes_steps = lambda: plan.program_config(prob, "fwd", D, name).get("g_scan")
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, gates_for("bwd"), dht, cstart, ccount), {"scale": np.float32(D**-0.5)}
@@ -468,7 +468,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
     if op == "delta" and name in ("wy_bwd", "wy_bwd_l2"):  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        t = jax.jit(lambda *a: runtime.call(POISONED, common.targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: runtime.call(POISONED, plan.targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
         rk = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "wy_bwd_l2" else ()  # (k the normalised y)
         # (G, beta and r as per-chunk rows where it loads them so)
@@ -477,7 +477,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
     if op == "delta" and name in ("grads", "grads_l2"):  # the consumer and the WY VJP in one program: both's inputs
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        t = jax.jit(lambda *a: runtime.call(POISONED, common.targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: runtime.call(POISONED, plan.targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
         q, vn, do, du, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         rs = tuple(jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32) for _ in range(2 if name == "grads_l2" else 0))
         sums, rs = (gates_for("bwd"), *common.steps_for(prob, "bwd", D, name, 64, beta)), common.steps_for(prob, "bwd", D, name, 64, *rs)
@@ -542,11 +542,11 @@ def test_delta_grads_program_matches_the_two_it_fuses(K, l2norm, dtype):
     results, args, attrs = _program_inputs("delta", name, dtype, K)
     q, k, v, vn, g, beta, t, h, do, dh, du, *rs = args
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-    bwd = common.targets(p, "bwd", K, K)
+    bwd = plan.targets(p, "bwd", K, K)
     call = lambda target, res, *a, **kw: jax.jit(lambda *a: runtime.call(POISONED, target, res, *a, **kw))(*a)
     got = call(bwd[name], results, *args, **attrs)
     consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if l2norm else ("dqkvg", "wy_bwd")
-    assert all(common.program_config(p, "bwd", K, n).get("g_rows") for n in (consumer, wy)), "G and beta as rows for all three"
+    assert all(plan.program_config(p, "bwd", K, n).get("g_rows") for n in (consumer, wy)), "G and beta as rows for all three"
     dq, dk0, dg0 = call(bwd[consumer], results[:2] + results[3:4], q, k, vn, g, h, do, dh, *rs[:1], **attrs)
     dk, dv, dg1, dbeta = call(bwd[wy], results[1:], k, v, g, beta, t, h, du, dk0, *rs[1:])
     want = (dq, dk, dv, dg0 + dg1, dbeta)
@@ -565,7 +565,7 @@ def test_delta_states_only_pass_matches_the_full_pass(K, dtype):
     `fused` on the same inputs (2 sequences, an initial state), NaN-poisoned outputs: the same final states; o and
     v_new left unwritten (NaN), since no caller reads them."""
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-    fwd = common.targets(p, "fwd", K, K)
+    fwd = plan.targets(p, "fwd", K, K)
 
     def run(name):  # (the same draws for both: G as each program takes it)
         results, args, attrs = _program_inputs("delta", name, dtype, K)
@@ -596,7 +596,7 @@ def test_delta_wy_inverse_against_float64(K):
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
     results = (like(k), like(v), jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32))
-    _, _, t = jax.jit(lambda *a: runtime.call(POISONED, common.targets(p, "fwd", K, K)["wy_t"], results, *a))(k, v, G, beta)
+    _, _, t = jax.jit(lambda *a: runtime.call(POISONED, plan.targets(p, "fwd", K, K)["wy_t"], results, *a))(k, v, G, beta)
     kc = np.asarray(k, np.float64).reshape(NT, 64, H, K).transpose(0, 2, 1, 3)
     g = np.asarray(G, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
     b = np.asarray(beta, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
@@ -1129,7 +1129,7 @@ def test_gdn_training_step_forms_the_gate_sums_once(K, scan, monkeypatch):
     """GDN under value_and_grad (use_qk_l2norm_in_kernel), exported for CUDA: XLA transposes G to
     per-chunk rows once, in the forward, where the passes take rows (K <= 128: the WY kernel, the
     state pass; the backward's reverse pass, consumer and WY VJP read the rows the forward kept,
-    `_stores_gate_rows`), and beta for the WY kernel in the forward; 1 / |q| for the consumer,
+    `plan.stores_gate_rows`), and beta for the WY kernel in the forward; 1 / |q| for the consumer,
     beta and 1 / |k| for the WY VJP in the backward; with the gate-summing
     experiments in place (bf16) XLA sums nothing and transposes 1 / |q| alone: the training WY
     kernel writes G and its rows, the WY VJP returns the gates' gradient per step (and takes
@@ -1159,8 +1159,8 @@ def test_delta_narrow_state_pass_where_programs_leave_sms_idle(l2norm):
     wide = "fused_t_l2" if l2norm else "fused_t"
     for (N, HV, D), want in (((2, 16, 128), wide + "_v32"), ((4, 16, 64), wide + "_v32"), ((4, 16, 128), wide), ((8, 16, 64), wide),
                              ((1, 1, 256), wide), ((66, 1, 64), wide + "_v32"), ((67, 1, 64), wide)):
-        targets = common.targets(p, "fwd", D, D)
-        assert delta.state_pass_t(Config(), targets, l2norm, N, HV, D) == want, (N, HV, D)
+        targets = plan.targets(p, "fwd", D, D)
+        assert plan.delta_state_pass_t(Config(), targets, l2norm, N, HV, D) == want, (N, HV, D)
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])

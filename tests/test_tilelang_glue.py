@@ -12,7 +12,7 @@ from cases import DELTA_BWD_MODES, delta_bwd_config, GATE_SCAN_EXPERIMENTS, OPS,
 from check import err_ratio, errors_against_float64, reference_grads
 import kernel_emulator
 from fla_jax import _backends, _tiling, tilelang_backend, xla
-from fla_jax._tilelang import common, delta, runtime, simple_gla
+from fla_jax._tilelang import common, delta, plan, runtime, simple_gla
 from fla_jax._problem import Problem
 from fla_jax.tilelang_backend import Config, configured
 from fla_jax._variants import HEAD_DIMS, VARIANTS
@@ -88,12 +88,12 @@ def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
     """Simple GLA under a gradient with G's per-chunk rows loaded by TMA: the reverse pass `dh` (K = 64,
     128), the consumer `dqkvg` (K = 128; its columns at 64) and the forward experiment `x_fused_tp4`
     put in place (`Config.experiments`). Each takes G as rows `[NT, H, 64]`, the forward under the
-    gradient hands its rows to the backward (`_stores_gate_rows`: XLA transposes G once, not again
+    gradient hands its rows to the backward (`plan.stores_gate_rows`: XLA transposes G once, not again
     in the backward), and o, ht and every gradient match float64, emulated."""
     calls, transposes = _watch_rows(monkeypatch, lambda name, args: args[2 if name == "dh" else 3].shape
                                     if name in ("dh", "x_fused_tp4", "fused_h", "dqkvg") else None)
     cfg = Config(experiments=((("simple_gla", "fwd", "fused"), "x_fused_tp4"),))
-    assert common.stores_gate_rows(configured(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), cfg), case.K)
+    assert plan.stores_gate_rows(configured(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), cfg), case.K)
     errs = errors_against_float64(case, 43, backend=cfg)
     gates = {name: shapes[-1] for name, shapes in calls.items()}
     NT = case.B * -(-case.T // 64) if case.cu is None else None
@@ -176,7 +176,7 @@ PIECE_CASES = [
 
 @pytest.mark.parametrize("case", PIECE_CASES, ids=str)
 def test_state_passes_in_pieces_match_float64(case, emulated, monkeypatch):
-    """Where the state passes' programs are few (`Config.split_programs`, `common.pieces`) every op walks each
+    """Where the state passes' programs are few (`Config.split_programs`, `plan.pieces`) every op walks each
     sequence in 4 pieces at once, forward (with and without a gradient) and reverse pass, each piece from the
     state the pieces before it leave (their decays, or the delta rules' map of an identity state): o, ht and
     every gradient against float64, dense (T not a multiple of 64) and varlen (short and empty sequences,
@@ -238,7 +238,7 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
     errs = errors_against_float64(case, 41, backend=cfg, terms=terms)
     print(case, names, {n: f"{e:.1e}" for n, e in errs.items()})
     N = case.B if case.cu is None else len(case.cu) - 1
-    # (where the passes walk each sequence in pieces, `common.pieces`, those from the states entering the pieces
+    # (where the passes walk each sequence in pieces, `plan.pieces`, those from the states entering the pieces
     # take a row a piece, the others none; and the reverse passes write a dh0 row a piece)
     assert rows and all(r == (0 if zero_rows else N) for r, n in rows if n == N), rows  # (XLA's zeros: a row a sequence)
     assert all(r in (0, n) for r, n in rows if n > N) and zero_rows <= any(r == 0 for r, _ in rows), rows
@@ -291,7 +291,7 @@ def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
     `dqkvg` without) and WY VJP (`wy_bwd_l2`, `wy_bwd`), or the two in one program (`grads_l2`,
     `grads`; `Config.delta_grads_kernel`), at K <= 128 taking G, beta and the norms' 1 / |q|, 1 / |k| as
     per-chunk rows by TMA: G's the rows the forward formed for its WY kernel and
-    kept (`_stores_gate_rows`: XLA transposes G once, in the forward; beta in the forward for the WY
+    kept (`plan.stores_gate_rows`: XLA transposes G once, in the forward; beta in the forward for the WY
     kernel and again in the backward, r in the backward), `[NT, HV, 64]` and r's `[NT, H, 64]`;
     every gradient against float64 (emulated; the kernels' own check is the GPU tests, the columns'
     programs `x_wy_t_l2_cols`, `x_dqkvg_l2_cols`, `x_wy_bwd_l2_cols` beside them)."""

@@ -1,6 +1,6 @@
-"""What the ops' glue shares: which program of a variant runs (`targets`, `Config.experiments`), the chunk-row
-layouts the programs take (`flat`, `gate_rows`, `gates_for`, `steps_for`), the gates' in-chunk sums, and the
-backward's consumer whose key-channel parts are summed (`consumer`)."""
+"""What the ops' glue shares: the chunk-row layouts the programs take (`flat`, `gate_rows`, `gates_for`,
+`steps_for`), the gates' in-chunk sums, the state passes (in pieces where the planner says so), and the
+backward's consumer whose key-channel parts are summed (`consumer`). Which programs run: `plan`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import numpy as np
 
 from fla_jax import _pieces
 from fla_jax._problem import Problem
-from fla_jax._tilelang import config, runtime
-from fla_jax._variants import find as find_variant
+from fla_jax._tilelang import config, plan, runtime
 
 
 def in_chunk_cumsum(p: Problem, g, C: int, reverse: bool = False):
@@ -39,34 +38,6 @@ def in_chunk_rows(g, C: int, reverse: bool = False):
                       preferred_element_type=jnp.float32)
 
 
-def targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
-    """{program name: FFI target} of one variant, each kind's the program that runs (`program`):
-    also a kind that only an experiment put in place by `Config.experiments` provides there."""
-    variant = find_variant("delta" if p.delta else p.op, direction, p.dtype, K, V)
-    kinds = [prog.name for prog in variant.programs]
-    kinds += [prog.of for prog in variant.experiments if prog.of not in kinds and chosen(p, direction, prog)]
-    return {prog.name: variant.target(prog) for prog in variant.experiments} | {
-        kind: variant.target(program(p, direction, K, kind)) for kind in kinds}
-
-
-def chosen(p: Problem, direction: str, prog) -> bool:
-    """Whether `Config.experiments` puts experiment `prog` in its kind's place."""
-    return config.of(p).overrides().get(("delta" if p.delta else p.op, direction, prog.of)) == prog.name
-
-
-def program(p: Problem, direction: str, K: int, name: str):
-    """The `fla_jax._variants.Program` of one kind that runs: the dispatched one, or the experiment
-    that `Config.experiments` puts in its place (its config decides how its inputs are laid out)."""
-    variant = find_variant("delta" if p.delta else p.op, direction, p.dtype, K, K)
-    picked = next((prog for prog in variant.experiments if prog.of == name and chosen(p, direction, prog)), None)
-    return picked or next(prog for prog in variant.programs if prog.name == name)
-
-
-def program_config(p: Problem, direction: str, K: int, name: str) -> dict:
-    """The config of the program of one kind that runs (`program`)."""
-    return dict(program(p, direction, K, name).config)
-
-
 def gate_rows(G, C: int):
     """The in-chunk cumulative gates `G [L, H]` as per-chunk rows `[NT, H, C]` (an XLA transpose)."""
     return G.reshape(-1, C, G.shape[-1]).transpose(0, 2, 1)
@@ -75,7 +46,7 @@ def gate_rows(G, C: int):
 def gates_for(p: Problem, direction: str, K: int, name: str, G, C: int, rows=None):
     """`G [L, H]` as program `name` takes it: as it is, or where it loads it by TMA (`g_rows`) as
     per-chunk rows `[NT, H, C]`: `rows` where already formed, else `gate_rows`."""
-    if not program_config(p, direction, K, name).get("g_rows"):
+    if not plan.program_config(p, direction, K, name).get("g_rows"):
         return G
     return gate_rows(G, C) if rows is None else rows
 
@@ -83,22 +54,14 @@ def gates_for(p: Problem, direction: str, K: int, name: str, G, C: int, rows=Non
 def steps_for(p: Problem, direction: str, K: int, name: str, C: int, *xs):
     """Per-step `[L, H]` arrays beside G (beta, `1 / |x|`) as program `name` takes them: as they
     are, or per-chunk rows `[NT, H, C]` where it loads G's by TMA (`g_rows`, `gates_for`)."""
-    return tuple(gate_rows(x, C) for x in xs) if program_config(p, direction, K, name).get("g_rows") else xs
-
-
-def value_parts(p: Problem, K: int, V: int) -> int:
-    """In how many float32 parts the backward's consumer writes what sums over the key channels:
-    1 (dv in the input dtype), or K / BK where it splits the key channels over programs (dv as
-    `[parts, L, HV, V]`, and but for GLA, whose dg is per channel, dg as `[parts, L, HV]`)."""
-    del V  # (variants have K = V)
-    return K // program_config(p, "bwd", K, "dqkvg").get("BK", K)
+    return tuple(gate_rows(x, C) for x in xs) if plan.program_config(p, direction, K, name).get("g_rows") else xs
 
 
 def consumer(p: Problem, target: str, results, *args, scale):
     """The backward's consumer `(dq, dk, dv, dg)` (the delta rules' `(dq, dk, dg)`: their reverse
     pass stores dv, `no_dv`), summing the parts of dv (and dg) where it splits the key channels
     (`value_parts`); `results` as the unsplit program writes them."""
-    parts = value_parts(p, args[0].shape[-1], args[2].shape[-1])
+    parts = plan.value_parts(p, args[0].shape[-1], args[2].shape[-1])
     if parts > 1:
         split = lambda r: jax.ShapeDtypeStruct((parts, *r.shape), jnp.float32)
         results = (*results[:2], *(split(r) for r in results[2:-1]), results[-1] if p.op == "gla" else split(results[-1]))
@@ -126,11 +89,6 @@ def like(x, dtype=None, heads=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype or x.dtype)
 
 
-def state_programs(N: int, H: int, V: int) -> int:
-    """The forward state pass's programs: one per V block of 64, sequence and (value) head."""
-    return N * H * max(1, V // 64)
-
-
 # ----------------------------------------------------------------------------- the forward's frame
 # What every op's forward works on (`Chunks`), its gates' in-chunk sums, and the state pass that ends it.
 
@@ -142,7 +100,7 @@ class Chunks:
     .]`; `h0` `[N, HV, K, V]` (no rows: the passes start from zeros); `cstart`, `ccount`: each sequence's first
     chunk and chunk count; `tables`: the varlen tables (none for dense rows). `store_h`: under a gradient
     (the forward stores h and what the backward reads); `store_rows`: G's per-chunk rows among what it
-    stores (`stores_gate_rows`); `l2norm`: q and k raw, normalised by the kernels."""
+    stores (`plan.stores_gate_rows`); `l2norm`: q and k raw, normalised by the kernels."""
 
     p: Problem
     scale: float
@@ -194,7 +152,7 @@ class Chunks:
         return np.float32(self.scale)
 
     def targets(self) -> dict[str, str]:
-        return targets(self.p, "fwd", self.K, self.V)
+        return plan.targets(self.p, "fwd", self.K, self.V)
 
     def unflat(self, x):
         """A flat per-token result `[L, HV, .]` in chunk rows `[B, NT_b * C, HV, .]`."""
@@ -202,7 +160,7 @@ class Chunks:
 
     def takes(self, name: str, key: str):
         """Program `name`'s config entry `key` (`g_rows`, `g_scan`, ...)."""
-        return program_config(self.p, "fwd", self.K, name).get(key)
+        return plan.program_config(self.p, "fwd", self.K, name).get(key)
 
 
 def chunks(p: Problem, scale: float, store_h: bool, l2norm: bool, store_rows: bool, tokens, h0, tables) -> Chunks:
@@ -244,7 +202,7 @@ def state_pass(c: Chunks, ins, extra: int = 0, *, name: str | None = None, light
         ends = jax.ShapeDtypeStruct((first.shape[0], c.HV, c.K, V), jnp.float32)
         return runtime.call(c.p, targets_[prog], (token, *(token,) * extra, *h, ends), *inputs, states, first, count, scale=c.scale_f32)
 
-    P = pieces(c.p, c.cstart.shape[0], c.HV, c.V, c.NT // c.cstart.shape[0]) if totals is not None or values_at is not None else 1
+    P = plan.pieces(c.p, c.cstart.shape[0], c.HV, c.V, c.NT // c.cstart.shape[0]) if totals is not None or values_at is not None else 1
     if P == 1:
         out = run(name, ins, c.h0, c.cstart, c.ccount)
     else:
@@ -275,22 +233,6 @@ def state_pass(c: Chunks, ins, extra: int = 0, *, name: str | None = None, light
 # gives each piece's b; A comes from the gates, or from the pass over an identity state with the values zeroed;
 # a short fold over the P pieces gives the state entering each; the pass runs again from those. Exact up to
 # rounding; two passes' work (three for the delta rules) spread over P times the programs.
-
-
-def pieces(p: Problem, N: int, HV: int, V: int, nt: int) -> int:
-    """In how many pieces the state passes walk each of N sequences of (on average) nt chunks: a power of two
-    such that their programs number at most `Config.split_programs`, each piece `Config.split_min_chunks`
-    chunks at least; 1 where the programs fill a quarter of `split_programs` already. (The pieces' extra
-    passes move the tokens again: they pay where a pass's time is its chain's, few programs walking many
-    chunks; with twice the programs the extra traffic outweighs the shorter chains. RESULTS.md: one long
-    sequence.)"""
-    cfg = config.of(p)
-    programs, P = state_programs(N, HV, V), 1
-    if programs * 4 > cfg.split_programs:
-        return 1
-    while programs * P * 2 <= cfg.split_programs and nt // (P * 2) >= cfg.split_min_chunks:
-        P *= 2
-    return P
 
 
 def piece_tables(cstart, ccount, P: int):
@@ -336,14 +278,6 @@ def stored_sums(c: Chunks, G, rows):
     if not c.store_h:
         return ()
     return (G.reshape(c.B, c.Lr, c.HV),) + ((rows.reshape(c.B, c.NT // c.B, c.HV, c.C),) if c.store_rows else ())
-
-
-def stores_gate_rows(p: Problem, K: int) -> bool:
-    """Whether the forward under a gradient hands the backward G's per-chunk rows (`gate_rows`, as
-    `[B, NT_b, HV, C]`): simple GLA's and the delta rules' where both their forward storing h and
-    their reverse pass load them by TMA (`g_rows`, K <= 128), so that they are formed once (by XLA's
-    transpose, or by the delta rules' WY kernel where it sums the gates, `g_scan`)."""
-    return p.op != "gla" and all(program_config(p, d, K, name).get("g_rows", False) for d, name in (("fwd", "fused_h"), ("bwd", "dh")))
 
 
 # ----------------------------------------------------------------------------- the backward's frame
@@ -399,16 +333,16 @@ class Reverse:
         return x.reshape(B, Lr, *x.shape[1:]).astype(dtype)
 
 
-def reverse(p: Problem, scale: float, l2norm: bool, has_h0: bool, store_rows: bool, tokens, h, stored, tables, do, dht):
-    """The backward's `Reverse` and what the forward stored for it (less G's rows and the norms, which it
-    holds), from the arrays `_op_bwd` hands on."""
-    stored, grows = (stored[:-1], stored[-1].reshape(-1, *stored[-1].shape[2:])) if store_rows else (stored, None)
-    stored, norms = (stored[:-2], stored[-2:]) if l2norm else (stored, ())
+def reverse(p: Problem, scale: float, has_h0: bool, tokens, h, stored, norms, rows, tables, do, dht):
+    """The backward's `Reverse` and what the forward stored for it (its module's STORED), from the fields of the
+    residuals (`tilelang_backend.Residuals`): `norms` the norms' `1 / |x|` where q and k were normalised, `rows`
+    G's per-chunk rows where the forward kept them."""
+    grows = rows[0].reshape(-1, *rows[0].shape[2:]) if rows else None
     flat_tokens, (cstart, ccount) = flat(p.chunk_size, *tokens, tables=tables)
     vf = flat_tokens[2]
     dof = do.reshape(vf.shape)
     hf = h.reshape(-1, *h.shape[2:])
-    bwd = targets(p, "bwd", flat_tokens[0].shape[-1], vf.shape[-1])
+    bwd = plan.targets(p, "bwd", flat_tokens[0].shape[-1], vf.shape[-1])
     dht, dh0_like = reverse_states(p, cstart.shape[0], hf.shape[1:], has_h0, dht)
     return Reverse(p=p, scale=scale, has_h0=has_h0, tokens=tuple(tokens), flat=flat_tokens, hf=hf, dof=dof, dht=dht, dh0_like=dh0_like,
                    cstart=cstart, ccount=ccount, grows=grows, norms=tuple(norms), bwd=bwd), tuple(stored)
@@ -428,7 +362,7 @@ def reverse_pass(b: Reverse, ins, extra: int = 0, *, totals=None, transition=Non
         return (out[0], *out[2:], out[1])  # (the piece states last, as `split_pass` takes them)
 
     N = b.cstart.shape[0]
-    P = pieces(b.p, N, vf.shape[1], vf.shape[-1], b.hf.shape[0] // N)
+    P = plan.pieces(b.p, N, vf.shape[1], vf.shape[-1], b.hf.shape[0] // N)
     if P == 1:
         return runtime.call(b.p, b.bwd["dh"], (like(b.hf), b.dh0_like, *(like(vf),) * extra), *ins, b.dht, b.cstart, b.ccount, scale=b.s)
     trans = (lambda first, count: (piece_decays(totals, first, count), True)) if totals is not None else \

@@ -22,7 +22,7 @@ import numpy as np
 
 from fla_jax import _partition
 from fla_jax._problem import Problem
-from fla_jax._tilelang import common, config, runtime
+from fla_jax._tilelang import common, config, plan, runtime
 
 # q, k, v, the gates per step, beta
 TOKENS = ("bthk", "bthk", "bthv", "bth", "bth")
@@ -37,7 +37,7 @@ def forward(c: common.Chunks):
     qf, kf, vf, graw, beta = c.flat
     f32 = jnp.float32
     # (under a gradient the WY kernel may sum the gates and write G and its rows, `g_scan`)
-    wy_scan = c.store_h and c.takes(wy_name(c.store_h, c.l2norm), "g_scan")
+    wy_scan = c.store_h and c.takes(plan.delta_wy(c.store_h, c.l2norm), "g_scan")
     G, rows0 = (graw, None) if wy_scan else common.gate_sums(c)
 
     def gate_rows():
@@ -46,7 +46,7 @@ def forward(c: common.Chunks):
     dt = qf.dtype
     NT = c.NT
     grows = rows0  # (G's rows where formed: for the programs that load them, and the backward's)
-    if K in cfg.delta_fwd_inverse and not c.store_h:  # T0, and a state pass that forms v_new from it
+    if plan.delta_forward_from_inverse(p, K, c.store_h):  # T0, and a state pass that forms v_new from it
         targets = c.targets()
         t0 = jax.ShapeDtypeStruct((NT, c.HV, C, C), dt)
         rows = lambda R: jax.ShapeDtypeStruct((NT, c.HV, R, C), f32)
@@ -56,16 +56,16 @@ def forward(c: common.Chunks):
             t0, gr = runtime.call(p, targets[inv], (t0, rows(4)), qf, kf, gates, beta)
         else:  # G and beta
             t0, gr = runtime.call(p, targets[inv], (t0, rows(2)), kf, gates, beta)
-        N = c.cstart.shape[0] * common.pieces(p, c.cstart.shape[0], c.HV, c.V, NT // c.cstart.shape[0])  # (programs' sequences)
+        N = c.cstart.shape[0] * plan.pieces(p, c.cstart.shape[0], c.HV, c.V, NT // c.cstart.shape[0])  # (programs' sequences)
         ins = (qf, kf, vf, t0, gr)
-        o, ht = common.state_pass(c, ins, name=state_pass_t(cfg, targets, c.l2norm, N, c.HV, c.V), values_at=2)
+        o, ht = common.state_pass(c, ins, name=plan.delta_state_pass_t(cfg, targets, c.l2norm, N, c.HV, c.V), values_at=2)
         return o.reshape(c.B, c.Lr, c.HV, c.V), ht
     assert not c.l2norm or c.store_h, "the forward with no gradient normalises q and k itself only from the inverse"
     like = common.like
     norms = ()
     tm = (jax.ShapeDtypeStruct((NT, c.HV, C, C), f32),) if c.store_h else ()
     sum_shapes = (like(graw), jax.ShapeDtypeStruct((NT, c.HV, C), f32)) if wy_scan else ()  # (`g_scan`: G and its rows)
-    name = wy_name(c.store_h, c.l2norm)
+    name = plan.delta_wy(c.store_h, c.l2norm)
     if c.takes(name, "g_rows"):  # G's rows, also for the passes after it
         grows = gate_rows()
     gates = (graw if wy_scan else common.gates_for(p, "fwd", K, name, G, C, grows), *common.steps_for(p, "fwd", K, name, C, beta))
@@ -85,7 +85,7 @@ def forward(c: common.Chunks):
     ins = (qf, kf, *wy[:2], common.gates_for(p, "fwd", K, state_name, G, C, grows))
     rows = lambda x, per_chunk: x.reshape(c.B, (NT if per_chunk else NT * C) // c.B, *x.shape[1:])
     stored = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if c.store_h else ()
-    carry = carry_pass(c.targets())  # (storing no h, writing no o: the pieces' other passes)
+    carry = plan.delta_carry_pass(c.targets())  # (storing no h, writing no o: the pieces' other passes)
     light = (carry, (*ins[:4], common.gates_for(p, "fwd", K, carry, G, C, grows)))
     o, v_new, *h, ht = common.state_pass(c, ins, 1, light=light, values_at=3)
     if stored:  # and v_new, for the backward's consumer kernel
@@ -94,44 +94,10 @@ def forward(c: common.Chunks):
     return (c.unflat(o), *h, *stored, *norms, *sums, ht)
 
 
-def carry_pass(targets: dict[str, str]) -> str:
-    """The program of the passes over pieces that carry states alone under a gradient (`common.state_pass`'s
-    `light`): the chain alone (`fused_s`, K <= 128), else the forward pass storing no h (`fused`)."""
-    return "fused_s" if "fused_s" in targets else "fused"
-
-
-def wy_name(store_h: bool, l2norm: bool) -> str:
-    """The WY kernel of the forward: under a gradient storing T (from the raw q and k with `l2norm`), else
-    w and u alone."""
-    return ("wy_t_l2" if l2norm else "wy_t") if store_h else "wy"
-
-
-def state_pass_t(cfg: config.Config, targets: dict, l2norm: bool, N: int, HV: int, V: int) -> str:
-    """The forward from the inverse: its state pass's program for N sequences, HV value heads
-    (`Config.delta_narrow_programs`)."""
-    name = "fused_t_l2" if l2norm else "fused_t"
-    narrow = f"{name}_v32"
-    return narrow if narrow in targets and 2 * common.state_programs(N, HV, V) <= cfg.delta_narrow_programs else name
-
-
-def folds_l2norm(p: Problem, K: int) -> bool:
-    """Whether the forward with no gradient normalises q and k in its kernels (the inverse and the
-    state pass from it, `inv_l2`, `fused_t_l2`), rather than after XLA's pass."""
-    cfg = config.of(p)
-    return p.delta and K in cfg.delta_fwd_inverse and cfg.delta_l2norm_fused and "inv_l2" in common.targets(p, "fwd", K, K)
-
-
-def folds_l2norm_h(p: Problem, K: int) -> bool:
-    """Whether the forward under a gradient normalises q and k in its WY kernel (`wy_t_l2`, which
-    also writes them normalised and their `1 / |x|` for the backward), rather than by a `norm`
-    pass each before it."""
-    return p.delta and config.of(p).delta_l2norm_fused and "wy_t_l2" in common.targets(p, "fwd", K, K)
-
-
 # ----------------------------------------------------------------------------- use_qk_l2norm_in_kernel
 # Inside the op's custom VJP, on the chunk rows. Where `Config.delta_l2norm_fused` (at K <= 128) the kernels
 # normalise q and k themselves: without a gradient `inv_l2` and `fused_t_l2`, under one the WY kernel
-# `wy_t_l2` (`folds_l2norm`, `folds_l2norm_h`). Elsewhere, without a gradient XLA's fused pass (the faster
+# `wy_t_l2` (`plan.folds_l2norm`, `plan.folds_l2norm_h`). Elsewhere, without a gradient XLA's fused pass (the faster
 # there); under one a kernel per tensor (`norm`), which also keeps 1 / |x| for the backward. The backward
 # folds the normalisation's gradient into its consumer and WY VJP (`delta_l2norm_fused`), or runs
 # `norm_bwd` per tensor after them.
@@ -144,7 +110,7 @@ def norm_partitioned(p: Problem):
 
 def _norm_forward(p: Problem, q, k):
     """`(q / |q|, k / |k|, 1 / |q|, 1 / |k|)`, the norms' reciprocals in float32 `[B, T, H]`."""
-    target = common.targets(p, "fwd", q.shape[-1], q.shape[-1])["norm"]
+    target = plan.targets(p, "fwd", q.shape[-1], q.shape[-1])["norm"]
     rows = lambda x: x.reshape(-1, *x.shape[2:])
     like = common.like
     (qn, rq), (kn, rk) = (runtime.call(p, target, (like(rows(x)), jax.ShapeDtypeStruct(rows(x).shape[:2], jnp.float32)), rows(x))
@@ -155,7 +121,7 @@ def _norm_forward(p: Problem, q, k):
 def _norm_backward(p: Problem, y, r, dy):
     """The raw x's gradient from the normalised `y [L, H, K]`, `r = 1 / |x|` `[L, H]` and the
     gradient of y."""
-    return runtime.call(p, common.targets(p, "bwd", y.shape[-1], y.shape[-1])["norm_bwd"], common.like(y), y, r, dy)
+    return runtime.call(p, plan.targets(p, "bwd", y.shape[-1], y.shape[-1])["norm_bwd"], common.like(y), y, r, dy)
 
 
 def backward(b: common.Reverse, stored, l2norm: bool):
@@ -164,8 +130,6 @@ def backward(b: common.Reverse, stored, l2norm: bool):
     v_new; with `l2norm` the tokens hold the normalised q and k and `b.norms` their `1 / |x|`, and the
     gradients are the raw q's and k's."""
     p, C, K = b.p, b.C, b.K
-    cfg = config.of(p)
-    fused, wy_kernel, norm_fused, grads_kernel = cfg.delta_fused_bwd, cfg.delta_wy_bwd_kernel, cfg.delta_l2norm_fused, cfg.delta_grads_kernel
     qf, kf, vf, Gf, beta = b.flat
     wd, ud, Tm, vn = (x.reshape(-1, *x.shape[2:]) for x in stored)
     rq, rk = (x.reshape(-1, x.shape[-1]) for x in b.norms) if l2norm else (None, None)
@@ -177,20 +141,17 @@ def backward(b: common.Reverse, stored, l2norm: bool):
     gates = common.gates_for(p, "bwd", K, "dh", Gf, C, b.grows)
     dh, dh0, du = common.reverse_pass(b, (qf, kf, wd, b.dof, gates), 1, transition=functools.partial(_piece_maps, b, qf, kf, wd, Gf))
     heads = lambda x: like(x, None, HV)
-    # with l2norm, which of dq and dk take the normalisation's gradient in the kernel that forms them
-    q_norm = l2norm and norm_fused and fused and "dqkvg_l2" in b.bwd
-    k_norm = l2norm and norm_fused and fused and wy_kernel
-    name = "grads_l2" if q_norm and k_norm else "grads"
-    if K in grads_kernel and fused and wy_kernel and name in b.bwd:  # the consumer and the WY VJP in one program
+    chosen = plan.delta_backward(p, K, l2norm, b.bwd)
+    q_norm, k_norm, name = chosen.q_norm, chosen.k_norm, chosen.grads  # (which of dq, dk take the norms' gradient)
+    if name:  # the consumer and the WY VJP in one program
         gates, betas = common.gates_for(p, "bwd", K, name, Gf, C, b.grows), common.steps_for(p, "bwd", K, name, C, beta)
         rs = common.steps_for(p, "bwd", K, name, C, rq, rk) if name == "grads_l2" else ()
         outs = (heads(qf), heads(kf), like(vf), like(Gf), like(Gf))
         dq, dk, dv, dG, dbeta = runtime.call(p, b.bwd[name], outs, qf, kf, vf, vn, gates, *betas, Tm, b.hf, b.dof, dh, du, *rs, scale=b.s)
         dq, dk = group_sum(dq), group_sum(dk)
-        q_norm = k_norm = name == "grads_l2"  # (what the program has folded the norms' gradient into)
         dg = common.in_chunk_cumsum(p, dG, C, reverse=True)  # G's gradient -> the gates' per step
     else:
-        dq, dk, dv, dg, dbeta = _two_programs(b, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, du, rq, rk, q_norm, k_norm, group_sum)
+        dq, dk, dv, dg, dbeta = _two_programs(b, chosen, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, du, rq, rk, group_sum)
     if l2norm and not q_norm:
         dq = _norm_backward(p, qf, rq, dq.astype(qf.dtype))
     if l2norm and not k_norm:
@@ -201,26 +162,26 @@ def backward(b: common.Reverse, stored, l2norm: bool):
 
 def _piece_maps(b: common.Reverse, qf, kf, wd, Gf, first, count):
     """The forward's map of the state across each piece of the reverse pass (`common.reverse_pass`) `[pieces,
-    HV, K, K]`: the forward's pass carrying states alone (`carry_pass`) from an identity state with the values u zeroed (the
+    HV, K, K]`: the forward's pass carrying states alone (`plan.delta_carry_pass`) from an identity state with the values u zeroed (the
     same call as the forward's: under one jit XLA computes it once)."""
     p, C, K = b.p, b.C, b.K
     HV = wd.shape[1]
     zero = jnp.zeros((*wd.shape[:2], K), wd.dtype)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (first.shape[0], HV, K, K))
-    targets = common.targets(p, "fwd", K, K)
-    carry = carry_pass(targets)
+    targets = plan.targets(p, "fwd", K, K)
+    carry = plan.delta_carry_pass(targets)
     gates = common.gates_for(p, "fwd", K, carry, Gf, C, b.grows)
     token = common.like(zero)
     ends = jax.ShapeDtypeStruct(eye.shape, jnp.float32)
     return runtime.call(p, targets[carry], (token, token, ends), qf, kf, wd, zero, gates, eye, first, count, scale=b.s)[-1]
 
 
-def _two_programs(b: common.Reverse, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, du, rq, rk, q_norm, k_norm, group_sum):
+def _two_programs(b: common.Reverse, chosen: plan.DeltaBackward, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, du, rq, rk, group_sum):
     """The backward after the reverse pass in two programs (the consumer on v_new, then the WY VJP
-    kernel) or in XLA (`chunk_local`'s VJP and `wy_vjp`), as the call's `Config` picks: dq, dk, dv, dg (per
-    step), dbeta; dq and dk before the norms' gradient where `q_norm` / `k_norm` are off."""
+    kernel) or in XLA (`chunk_local`'s VJP and `wy_vjp`), as the planner picks (`chosen`): dq, dk, dv, dg (per
+    step), dbeta; dq and dk before the norms' gradient where `chosen.q_norm` / `chosen.k_norm` are off."""
     p, C, K = b.p, b.C, b.K
-    fused, wy_kernel = config.of(p).delta_fused_bwd, config.of(p).delta_wy_bwd_kernel
+    fused, wy_kernel, q_norm, k_norm = chosen.consumer, chosen.wy, chosen.q_norm, chosen.k_norm
     V, HV = vf.shape[-1], vf.shape[1]
     hf, dof, bwd, grows = b.hf, b.dof, b.bwd, b.grows
     like = common.like
@@ -239,7 +200,7 @@ def _two_programs(b: common.Reverse, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, d
     if wy_kernel:  # it forms dw = -du h^T itself (v_new = u - w h) and adds dkv to its dk
         outs = (heads(kf), like(vf), like(Gf), like(Gf))
         name, rks = ("wy_bwd_l2", (rk,)) if k_norm else ("wy_bwd", ())
-        summed = common.program_config(p, "bwd", K, name).get("dg_sum", False)  # (then it takes the consumer's dG, and adds it)
+        summed = plan.program_config(p, "bwd", K, name).get("dg_sum", False)  # (then it takes the consumer's dG, and adds it)
         # G, beta (and r) as it takes them (G's rows as the forward kept them)
         sums = (common.gates_for(p, "bwd", K, name, Gf, C, grows), *common.steps_for(p, "bwd", K, name, C, beta))
         rks = common.steps_for(p, "bwd", K, name, C, *rks)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fla_jax import _pieces
-from fla_jax._tilelang import common, config, runtime
+from fla_jax._tilelang import common, config, plan, runtime
 
 # The token arrays (q, k, v, the gates per step) and what the forward stores for the backward besides h
 # and G, with the axis letters of `fla_jax._partition`.
@@ -33,7 +33,7 @@ def forward(c: common.Chunks):
     if c.store_rows:  # (for this pass and the backward's)
         grows = gate_rows()
     ins = (qf, kf, vf, graw if scan else common.gates_for(c.p, "fwd", c.K, name, G, c.C, grows))
-    pieces = 1 if c.store_h or c.tables else pieces_of(config.of(c.p), c.B, c.HV, c.V, c.NT // c.B)
+    pieces = 1 if c.store_h or c.tables else plan.forward_split_pieces(config.of(c.p), c.B, c.HV, c.V, c.NT // c.B)
     if pieces > 1:
         return split_forward(c.p, pieces, c.scale, c.targets(), ins, c.h0, gate_rows(), c.B, c.C)
     light = None
@@ -42,15 +42,6 @@ def forward(c: common.Chunks):
     o, *h, ht = common.state_pass(c, ins, light=light, totals=chunk_sums(G, c.C))
     sums = common.stored_sums(c, G, grows)
     return (c.unflat(o), *h, *sums, ht)
-
-
-def pieces_of(cfg: config.Config, B: int, H: int, V: int, nt: int) -> int:
-    """In how many pieces the forward's state pass walks each of B sequences of nt chunks
-    (`Config.split_programs`): a power of two dividing nt."""
-    programs, pieces = common.state_programs(B, H, V), 1
-    while programs * pieces * 2 <= cfg.split_programs and nt % (pieces * 2) == 0 and nt // (pieces * 2) >= cfg.split_min_chunks:
-        pieces *= 2
-    return pieces
 
 
 def chunk_sums(G, C: int):
