@@ -1154,13 +1154,15 @@ def test_delta_narrow_state_pass_where_programs_leave_sms_idle(l2norm):
     """`Config.delta_narrow_programs` at the benchmark shapes: V blocks of 32 at 2,8192,16,128 (2 x 16 x 2
     programs of 64 would leave half the SMs idle) and at 4,4096,16,64 (64), of 64 where the
     programs fill the SMs (4,4096,16,128: 128; 8,2048,16,64: 128), and at K = 256, where no
-    narrow pass is built."""
+    narrow pass is built; counting the pieces each sequence is walked in (1 x 32768 x 16 x 128: four pieces, 128
+    programs of 64)."""
     p = _problem.Problem(op="gated_delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
     wide = "fused_t_l2" if l2norm else "fused_t"
-    for (N, HV, D), want in (((2, 16, 128), wide + "_v32"), ((4, 16, 64), wide + "_v32"), ((4, 16, 128), wide), ((8, 16, 64), wide),
-                             ((1, 1, 256), wide), ((66, 1, 64), wide + "_v32"), ((67, 1, 64), wide)):
+    for (N, HV, D, nt), want in (((2, 16, 128, 128), wide + "_v32"), ((4, 16, 64, 64), wide + "_v32"), ((4, 16, 128, 64), wide),
+                                 ((8, 16, 64, 32), wide), ((1, 1, 256, 4), wide), ((66, 1, 64, 4), wide + "_v32"), ((67, 1, 64, 4), wide),
+                                 ((1, 16, 128, 4), wide + "_v32"), ((1, 16, 128, 512), wide)):
         targets = plan.targets(p, "fwd", D, D)
-        assert plan.delta_state_pass_t(Config(), targets, l2norm, N, HV, D) == want, (N, HV, D)
+        assert plan.delta_state_pass_t(p, targets, l2norm, N, HV, D, nt) == want, (N, HV, D, nt)
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])

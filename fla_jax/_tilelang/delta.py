@@ -33,7 +33,7 @@ STORED = ("bthk", "bthv", "bchkv", "bthv")
 def forward(c: common.Chunks):
     """`(o, ht)`, or under a gradient `(o, h, w, u, T, v_new, [q, k normalised, 1 / |q|, 1 / |k|,] G, [G's
     rows,] ht)`: the normalised q and k and their norms where the WY kernel normalised them (`c.l2norm`)."""
-    p, cfg, C, K = c.p, config.of(c.p), c.C, c.K
+    p, C, K = c.p, c.C, c.K
     qf, kf, vf, graw, beta = c.flat
     f32 = jnp.float32
     # (under a gradient the WY kernel may sum the gates and write G and its rows, `g_scan`)
@@ -56,9 +56,9 @@ def forward(c: common.Chunks):
             t0, gr = runtime.call(p, targets[inv], (t0, rows(4)), qf, kf, gates, beta)
         else:  # G and beta
             t0, gr = runtime.call(p, targets[inv], (t0, rows(2)), kf, gates, beta)
-        N = c.cstart.shape[0] * plan.pieces(p, c.cstart.shape[0], c.HV, c.V, NT // c.cstart.shape[0])  # (programs' sequences)
+        N = c.cstart.shape[0]
         ins = (qf, kf, vf, t0, gr)
-        o, ht = common.state_pass(c, ins, name=plan.delta_state_pass_t(cfg, targets, c.l2norm, N, c.HV, c.V), values_at=2)
+        o, ht = common.state_pass(c, ins, name=plan.delta_state_pass_t(p, targets, c.l2norm, N, c.HV, c.V, NT // N), values_at=2)
         return o.reshape(c.B, c.Lr, c.HV, c.V), ht
     assert not c.l2norm or c.store_h, "the forward with no gradient normalises q and k itself only from the inverse"
     like = common.like

@@ -101,12 +101,14 @@ def delta_wy(store_h: bool, l2norm: bool) -> str:
     return ("wy_t_l2" if l2norm else "wy_t") if store_h else "wy"
 
 
-def delta_state_pass_t(cfg: config.Config, targets: dict, l2norm: bool, N: int, HV: int, V: int) -> str:
-    """The delta rules' forward from the inverse: its state pass's program for N sequences, HV value heads
-    (`Config.delta_narrow_programs`: V blocks of 32 where those of 64 leave SMs idle)."""
+def delta_state_pass_t(p: Problem, targets: dict, l2norm: bool, N: int, HV: int, V: int, nt: int) -> str:
+    """The delta rules' forward from the inverse: its state pass's program for N sequences of nt chunks on average
+    and HV value heads, each sequence in `pieces` (`Config.delta_narrow_programs`: V blocks of 32 where those of 64
+    leave SMs idle)."""
     name = "fused_t_l2" if l2norm else "fused_t"
     narrow = f"{name}_v32"
-    return narrow if narrow in targets and 2 * state_programs(N, HV, V) <= cfg.delta_narrow_programs else name
+    programs = state_programs(N * pieces(p, N, HV, V, nt), HV, V)
+    return narrow if narrow in targets and 2 * programs <= config.of(p).delta_narrow_programs else name
 
 
 def folds_l2norm(p: Problem, K: int) -> bool:
@@ -183,12 +185,12 @@ def plan(p: Problem, *, K: int, V: int, N: int, HV: int, nt: int, l2norm: bool, 
     if p.delta:
         if delta_forward_from_inverse(p, K, False):
             l2 = l2norm and folds_l2norm(p, K)
-            forward = ("inv_l2" if l2 else "inv", delta_state_pass_t(cfg, fwd, l2, N * P_fwd, HV, K))  # (pieces as sequences)
+            forward = ("inv_l2" if l2 else "inv", delta_state_pass_t(p, fwd, l2, N, HV, K, nt))
         else:  # (q and k normalised by XLA before the kernels where asked)
             forward = ("wy", "fused")
         l2h = l2norm and folds_l2norm_h(p, K)
         carry = (delta_carry_pass(fwd),) if P_step > 1 else ()
-        b = delta_backward(p, K, l2h or l2norm, bwd)
+        b = delta_backward(p, K, l2norm, bwd)
         two = (*(("dqkvg_l2" if b.q_norm else "dqkvg",) if b.consumer else ()), *(("wy_bwd_l2" if b.k_norm else "wy_bwd",) if b.wy else ()))
         after = (b.grads,) if b.grads else two
         norms = ("norm_bwd",) if l2norm and not (b.q_norm and b.k_norm) else ()
