@@ -8,7 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from fla_jax import _backends, ops, tilelang_backend
+from fla_jax import _backends, _layout, ops, tilelang_backend
 from fla_jax._tilelang import plan as _planner
 
 
@@ -100,7 +100,7 @@ def planned(plan) -> _planner.Plan:
     HV = shapes["v"].shape[2] * t.k_parts * t.v_parts  # (the parts run as more heads)
     cu = shapes.get("cu_seqlens")
     N, C = (B, p.chunk_size) if cu is None else (cu.shape[0] - 1, p.chunk_size)
-    NT = B * -(-T // C) if cu is None else -(-(T + N * (C - 1)) // C)  # (`fla_jax._layout`: each sequence from a chunk boundary)
+    NT = B * _layout.cdiv(T, C) if cu is None else _layout.packed_chunks(T, N, C)
     return _planner.plan(p, K=t.D, V=t.D, N=N, HV=HV, nt=NT // N, l2norm=call["l2norm"], varlen=cu is not None)
 
 

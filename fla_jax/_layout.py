@@ -73,7 +73,7 @@ def make_layout(T: int, cu_seqlens: jax.Array | None, chunk: int) -> Layout:
     cu = cu_seqlens.astype(jnp.int32)
     first, nchunks = chunk_ranges(cu, chunk)
     start = jnp.concatenate([first, first[-1:] + nchunks[-1:]])
-    nt = cdiv(T + n * (chunk - 1), chunk)
+    nt = packed_chunks(T, n, chunk)
     t = jnp.arange(T, dtype=jnp.int32)
     sid = token_sequences(cu, T)
     slot = start[sid] * chunk + (t - cu[sid])
@@ -89,6 +89,11 @@ def make_layout(T: int, cu_seqlens: jax.Array | None, chunk: int) -> Layout:
         last=jnp.maximum(start[:-1] + nchunks - 1, 0),
         nonempty=nchunks > 0,
     )
+
+
+def packed_chunks(T: int, n: int, chunk: int) -> int:
+    """The chunks of a packed row of T tokens in n sequences, each starting at a chunk boundary (at most)."""
+    return cdiv(T + n * (chunk - 1), chunk)
 
 
 def token_sequences(cu_seqlens: jax.Array, T: int) -> jax.Array:
