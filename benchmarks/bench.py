@@ -220,6 +220,8 @@ def _alternative(spec: str):
     (zero_row_h0, zero_row_dht off), `+field` / `-field` (a boolean field on or off, or one of head dims at
     all or none, e.g. `-delta_grads_kernel`), `field=N` (an integer field, e.g. `split_programs=0`) and
     `op.direction.program=experiment` entries."""
+    if not spec:
+        return BASE_CONFIG
     import dataclasses
 
     from fla_jax import TileLangConfig
@@ -347,12 +349,12 @@ def main(argv=None):
                     help="tilelang: op.direction.program=experiment[,...] runs a built experiment in that program's place")
     args = ap.parse_args(argv)
     add_alternatives(args.alt)
-    from fla_jax import TileLangConfig
 
     global BASE_CONFIG
     base = {}
     try:
-        base["experiments"] = tuple(_override(item, "--experiments") for item in filter(None, args.experiments.split(",")))
+        if args.experiments:
+            base["experiments"] = tuple(_override(item, "--experiments") for item in filter(None, args.experiments.split(",")))
     except ValueError as e:
         ap.error(str(e))
     if args.xla_zeros:
@@ -363,7 +365,10 @@ def main(argv=None):
         base["delta_fwd_inverse"] = tuple(int(d) for d in filter(None, args.delta_fwd_inverse.split(",")))
     if args.delta_fwd_wy:
         base["delta_fwd_inverse"] = ()
-    BASE_CONFIG = TileLangConfig(**base)
+    if base:  # (none given: `backend="tilelang"` as a string, which an older build of fla_jax takes too)
+        from fla_jax import TileLangConfig
+
+        BASE_CONFIG = TileLangConfig(**base)
     ops = [ALIASES.get(o, o) for o in args.ops.split(",")]
     shapes = ISSUE_SHAPES if args.shapes == "issue" else [parse_shape(s) for s in args.shapes.split(",")]
     impls = args.impls.split(",")
