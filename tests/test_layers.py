@@ -121,7 +121,8 @@ def test_layer_bfloat16_activations_track_float32(name):
         assert b.dtype == jnp.float32 and err_ratio(a, b) < 6e-2
 
 
-@pytest.mark.parametrize("layer, dtype", [("gdn", "auto"), ("gla", "auto"), ("gdn", "bfloat16")])
+# (GDN in float32 trains in the other demo tests' runs and in tests/test_training.py: here the layer in bf16)
+@pytest.mark.parametrize("layer, dtype", [("gla", "auto"), ("gdn", "bfloat16")])
 def test_demo_loss_falls(layer, dtype):
     first, last = demo.main(["--steps", "60", "--layer", layer, "--dtype", dtype, "--log-every", "30", "--sample", "0"])
     assert np.isfinite(last) and last < first - 1.0
