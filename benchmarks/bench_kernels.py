@@ -19,12 +19,6 @@ from fla_jax._tilelang import common, delta, plan, runtime
 from fla_jax._problem import Problem
 
 
-# where each program kind takes the gates among its inputs (as `_gates_for` forms them for the dispatched program;
-# an experiment may take them otherwise: `programs` then forms them from its config)
-GATE_ARGS = {"simple_gla": {"fused": 3, "fused_h": 3, "dh": 2},
-             "delta": {"fused": 4, "fused_s": 4, "fused_h": 4, "dh": 4, "wy": 2, "wy_t": 2, "wy_t_l2": 3, "inv": 1, "inv_l2": 2}}
-
-
 def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     """(name, jitted call, args) for every program of the simple GLA (`op="simple_gla"`), GLA
     (`"gla"`) or delta rule (`op="delta"`) forward and backward variants (experimental configs included), on the flat
@@ -43,7 +37,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     s = np.float32(D**-0.5)
     p = Problem(op={"delta": "delta_rule"}.get(op, op), delta=op == "delta", chunk_size=64, dtype=dtype)
-    run = lambda direction, name, results, *a, **kw: jax.jit(lambda *b: runtime.call(p, plan.targets(p, direction, D, D)[name], results, *b, **kw))(*a)
+    run = lambda direction, name, results, *a, **kw: _kernel(p, plan.targets(p, direction, D, D)[name], results, kw)(*a)
     # the consumer's dv (and but for GLA dg): whole, or in float32 parts where it splits the key channels
     parts = plan.value_parts(p, D, D)
     split = lambda a: like(a) if parts == 1 else jax.ShapeDtypeStruct((parts, *a.shape), jnp.float32)
@@ -132,15 +126,19 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
                 continue
             results, args, attrs = calls[prog.kind]
             config = dict(prog.config)
-            i = GATE_ARGS.get(op, {}).get(prog.kind)
-            if i is not None:  # the gates as this program takes them: per step (`g_scan`), as per-chunk rows (`g_rows`), or G
-                gate = steps.reshape(B * T, H) if config.get("g_scan") else common.gate_rows(G, 64) if config.get("g_rows") else G
-                args = (*args[:i], gate, *args[i + 1 :])
+            if config.get("dg_sum"):  # (the WY VJP adding the consumer's dG, after dk0: G stands in for it)
+                args = (*args[:8], G, *args[8:])
+            names = input_names(variant, prog)
+            named = dict(zip(names, args, strict=True))
+            if op != "gla" and "g" in named:  # the scalar gates as this program takes them: per step (`g_scan`), as
+                # per-chunk rows (`g_rows`), or as its kind takes them
+                named["g"] = steps.reshape(B * T, H) if config.get("g_scan") else common.gate_rows(G, 64) if config.get("g_rows") else named["g"]
+            if config.get("g_rows"):  # (and beta, 1 / |x| beside them)
+                named |= {n: common.gate_rows(named[n], 64) for n in ("beta", "rq", "rk") if n in named and named[n].ndim == 2}
+            args = tuple(named.values())
             if config.get("g_scan") and prog.kind.startswith("wy_t"):  # (the WY kernel summing the gates also writes G, its rows)
                 results = (*results, jax.ShapeDtypeStruct((B * T, H), jnp.float32), jax.ShapeDtypeStruct((B * T // 64, H, 64), jnp.float32))
-            if config.get("dg_sum"):  # (the WY VJP adding the consumer's dG: G stands in for it)
-                args = (*args[:8], G, *args[8:])
-            yield f"{direction}:{prog.name}", _kernel(p, variant.target(prog), results, attrs), args
+            yield f"{direction}:{prog.name}", _kernel(p, variant.target(prog), results, attrs, names), args
     if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path, and none (every chunk wide)
         for label, factor in (("strong", 100.0), ("zero", 0.0)):
             a_x, G_x = run("fwd", "a", am, q, k, gk * factor, scale=s)[:2]
@@ -149,9 +147,26 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
                 yield f"{direction}:{name}@{label}", _kernel(p, plan.targets(p, direction, D, D)[name], results, attrs), args
 
 
-def _kernel(p, target, results, attrs):
-    """One program of call `p` as a jitted call of its inputs."""
-    return jax.jit(lambda *a: runtime.call(p, target, results, *a, **attrs))
+def input_names(variant, prog) -> list[str]:
+    """Program `prog`'s inputs in its order, as the build recorded them (`runtime.interfaces`, the names `runtime.call`
+    takes); for an experiment this install did not build, those of a built program of its kind (at any head dim:
+    the names do not depend on it), with the consumer's `dg0` after `dk0` where it adds that (`dg_sum`)."""
+    interfaces = runtime.interfaces()
+    found = interfaces.get(variant.target(prog))
+    if found is None:
+        found = next(i for t, i in interfaces.items() if t.startswith(f"fla_{variant.op}_{variant.direction}_")
+                     and t.rsplit("_c64_", 1)[1] == prog.kind)
+    names = [q.name for q in found.inputs]
+    if dict(prog.config).get("dg_sum") and "dg0" not in names:
+        names.insert(names.index("dk0") + 1, "dg0")
+    return names
+
+
+def _kernel(p, target, results, attrs, names=None):
+    """One program of call `p` as a jitted call of its inputs, given in the order of `names` (its built interface's
+    where None)."""
+    names = names or [q.name for q in runtime.interfaces()[target].inputs]
+    return jax.jit(lambda *a: runtime.call(p, target, results, **dict(zip(names, a, strict=True)), **attrs))
 
 
 def main(argv=None):

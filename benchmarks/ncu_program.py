@@ -2,7 +2,7 @@
 can read their counters (ncu on a JAX process ended in a segmentation fault), and time them.
 
 The build writes, per target, `<target>.cubin` and `<target>.json` (parameters, TMA descriptors,
-grid, block and shared memory as lowered) to `build/gen`; this script allocates each parameter for
+grid, block and shared memory as lowered) to `build/gen/<op>/`; this script allocates each parameter for
 a problem of B sequences of T tokens, H heads and K = V = D, fills it (gates as in-chunk cumulative
 log decays, chunk tables for whole sequences, everything else random), encodes the descriptors
 and launches through the driver API (ctypes on libcuda: no CuPy, torch or JAX needed).
@@ -30,6 +30,7 @@ import ctypes
 import itertools
 import json
 import pathlib
+import re
 import statistics
 
 import numpy as np
@@ -134,8 +135,15 @@ def _fill(name, dtype, shape, rng, T, per_chunk=False):
     return (x.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16, truncated
 
 
+def generated(gen: pathlib.Path, target: str, ext: str) -> pathlib.Path:
+    """A program's generated file: in `gen` itself (a flat copy such as sanitize.sh's `.prof/gen`), or in the
+    build's folder of its op (`build/gen/<op>/`, build.py `generated`)."""
+    flat = gen / f"{target}.{ext}"
+    return flat if flat.exists() else gen / re.match(r"fla_(.+?)_(?:fwd|bwd)_", target)[1] / f"{target}.{ext}"
+
+
 def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: int = 0):
-    meta = json.loads((gen / f"{target}.json").read_text())
+    meta = json.loads(generated(gen, target, "json").read_text())
     rng = np.random.default_rng(seed)
     # (NS, M: simple GLA's `enter`, one piece per sequence, the whole sequence; N0, ND: h0 / dh0 and dht, a row each)
     dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_N0": B, "d_ND": B, "d_R": B * T, "d_NS": B,
@@ -154,7 +162,7 @@ def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: i
         ev = lambda xs: [_expr(x, dims) for x in xs]
         maps[name] = drv.tensor_map(d["dtype"], d["rank"], ptrs[d["ptr"]], ev(d["dims"]), ev(d["strides"]),
                                     ev(d["box"]), ev(d["elem"]), d["tail"])
-    cubin = (gen / f"{target}.cubin").read_bytes()
+    cubin = generated(gen, target, "cubin").read_bytes()
     runs = []
     for launch in meta["launches"]:
         fn = drv.function(cubin, launch["smem"]) if launch["kernel"] == "main_kernel" else None

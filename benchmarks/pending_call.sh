@@ -37,7 +37,7 @@ if [ "${1:-}" = prep ]; then
   for t in "${progs[@]}" "${progs2[@]}"; do
     case $t in
       old_*) cp "${OLD:-/nonexistent}/${t#old_}.cubin" ".prof/gen/$t.cubin" && cp "$OLD/${t#old_}.json" ".prof/gen/$t.json" || exit 1;;
-      *) cp "$g/$t.cubin" "$g/$t.json" .prof/gen/ || exit 1;;
+      *) cp "$g"/*/"$t.cubin" "$g"/*/"$t.json" .prof/gen/ || exit 1;;  # (build/gen/<op>/)
     esac
   done
   exit 0

@@ -16,11 +16,12 @@ if [ "${1:-}" = prep ]; then
   python3 - <<'PY' || exit 1
 import shutil, sys
 sys.path.insert(0, ".")
+from build import generated
 from kernels.variants import VARIANTS
 for v in VARIANTS:
     for p in v.programs:
         for ext in ("cubin", "json"):
-            shutil.copy(f"build/gen/{v.target(p)}.{ext}", f".prof/gen/{v.target(p)}.{ext}")
+            shutil.copy(generated(v.target(p), ext), f".prof/gen/{v.target(p)}.{ext}")
 PY
   grep -qx '/.prof/' .git/info/exclude 2>/dev/null || echo '/.prof/' >> .git/info/exclude
   echo "sanitize.sh: $(ls .prof/gen/*.json | wc -l) programs in .prof/gen"; exit 0

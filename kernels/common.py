@@ -1,9 +1,26 @@
-"""Pieces shared by several TileLang programs (expanded in place: `T.macro`)."""
+"""Pieces shared by several TileLang programs (expanded in place: `T.macro`), and `program`, which
+declares a program's interface once."""
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import functools
 
 import tilelang.language as T
+from tilelang.language.eager import builder as _eager
+
+
+def program(body, **buffers):
+    """A program's `T.prim_func` from its one declaration: `buffers` are its parameters in order, inputs then
+    outputs (`name=T.Tensor(shape, dtype)`, or a scalar such as `scale=T.float32`), and the macro `body`
+    takes them by name. A flag that adds or drops a buffer gives it as None: no parameter then, and None to
+    `body`. (What `@T.prim_func` does for a function whose signature is written out; the signature written
+    once per flag combination, as before, differed in nothing else.) build.py records the parameters (the
+    interface the runtime binds calls to by name)."""
+    b = _eager.Builder()
+    with b.prim_func("main"):
+        # (a scalar's annotation, `T.float32`, is called for its variable, as `@T.prim_func` does)
+        args = {n: b.arg(n, a() if callable(a) else a) for n, a in buffers.items() if a is not None}
+        body(**{n: args.get(n) for n in buffers})
+    return _eager._patch_prim_func_attrs(b.get(), b)
 
 
 def chunk_output_and_update(*, BT: int, K: int, BV: int, dtype: str):

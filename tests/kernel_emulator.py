@@ -95,29 +95,33 @@ def _gate_columns(G):
     return _rows_to_columns(G) if G.ndim == 3 else G
 
 
-def fwd_fused_h(q, k, v, G, h0, cstart, ccount, *, scale):
+def fwd_fused_h(q, k, v, g, h0, cstart, ccount, *, scale):
     """kernels/simple_gla/fwd.py: o, h, ht; G `[L, H]`, or with `g_rows` per-chunk rows `[NT, H, C]`."""
+    G = g
     G = _gate_columns(G)
     h, ht = _scan_states(k, v, G, h0, cstart, ccount)
     h = _unwritten(h.astype(q.dtype), cstart, ccount, False)
     return _unwritten(_fwd_o(q, k, v, G, h, scale=scale), cstart, ccount, True), h, ht
 
 
-def fwd_fused(q, k, v, G, h0, cstart, ccount, *, scale):
+def fwd_fused(q, k, v, g, h0, cstart, ccount, *, scale):
+    G = g
     o, _, ht = fwd_fused_h(q, k, v, G, h0, cstart, ccount, scale=scale)
     return o, ht
 
 
-def bwd_dh(q, do, G, dht, cstart, ccount, *, scale):
+def bwd_dh(q, do, g, dht, cstart, ccount, *, scale):
     """kernels/simple_gla/bwd.py `chunk_bwd_dh`; G `[L, H]`, or with `g_rows` per-chunk rows `[NT, H, C]`."""
+    G = g
     dh, dh0 = _scan_states(q, do, _gate_columns(G), dht, cstart, ccount, reverse=True, scale=scale)
     return _unwritten(dh.astype(q.dtype), cstart, ccount, False), dh0
 
 
-def bwd_dqkvg(q, k, v, G, h, do, dh, *, scale, parts=1):
+def bwd_dqkvg(q, k, v, g, h, do, dh, *, scale, parts=1):
     """kernels/simple_gla/bwd.py `chunk_bwd_dqkvg`. With the key channels split over `parts`
     programs, each is this on its channels, and dv, dG come as float32 parts `[parts, L, H, .]`.
     G `[L, H]`, or with `g_rows` per-chunk rows `[NT, H, C]`."""
+    G = g
     G = _gate_columns(G)
     if parts > 1:
         BK = q.shape[-1] // parts
@@ -180,8 +184,9 @@ def gla_a(q, k, g, *, scale):
     return A[0].astype(q.dtype), Gc.reshape(g.shape), qg.reshape(q.shape).astype(q.dtype), kg.reshape(k.shape).astype(k.dtype)
 
 
-def gla_fwd_fused_h(qg, kg, v, G, a, h0, cstart, ccount, *, scale):
+def gla_fwd_fused_h(qg, kg, v, g, a, h0, cstart, ccount, *, scale):
     """kernels/gla/fwd.py `chunk_gla_fwd`, from `q exp(G)` and `k exp(G_C - G)`."""
+    G = g
     h, ht = _scan_states(kg, v, G, h0, cstart, ccount, decayed=True)
     h = _unwritten(h.astype(qg.dtype), cstart, ccount, False)
     o = scale * jnp.einsum("bnihk,nhkv->bnihv", _chunks(qg), h.astype(f32))
@@ -190,16 +195,18 @@ def gla_fwd_fused_h(qg, kg, v, G, a, h0, cstart, ccount, *, scale):
     return _unwritten(o, cstart, ccount, True), h, ht
 
 
-def gla_fwd_fused(qg, kg, v, G, a, h0, cstart, ccount, *, scale):
+def gla_fwd_fused(qg, kg, v, g, a, h0, cstart, ccount, *, scale):
+    G = g
     o, _, ht = gla_fwd_fused_h(qg, kg, v, G, a, h0, cstart, ccount, scale=scale)
     return o, ht
 
 
-def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale, parts=1):
+def gla_bwd_dqkvg(q, k, v, g, a, h, do, dh, *, scale, parts=1):
     """kernels/gla/bwd.py `chunk_gla_bwd_dqkvg`: dq, dk, dv and the per-step gates' dg (the
     reverse in-chunk cumulative sum of the per-channel dG). With the key channels split over
     `parts` programs, dv is `[parts, L, H, V]` float32: each part the sum over its channels (the
     first adds `A^T do`)."""
+    G = g
     qc, kc, vc, Gc, doc = (_chunks(x) for x in (q, k, v, G, do))
     h, dh, A = h.astype(f32)[None], dh.astype(f32)[None], a.astype(f32)[None]
     glast = Gc[:, :, -1:]  # [B, N, 1, H, K]
@@ -224,8 +231,9 @@ def gla_bwd_dqkvg(q, k, v, G, a, h, do, dh, *, scale, parts=1):
     return flat(dq, q.dtype), flat(dk, k.dtype), dv, flat(dG, f32)
 
 
-def gla_bwd_dh(qg, do, G, dht, cstart, ccount, *, scale):
+def gla_bwd_dh(q, do, g, dht, cstart, ccount, *, scale):
     """The state-gradient pass of GLA (kernels/simple_gla/bwd.py `chunk_bwd_dh(channel_gates=True)`), from `q exp(G)`."""
+    qg, G = q, g  # (q exp(G), the cumulative G)
     dh, dh0 = _scan_states(qg, do, G, dht, cstart, ccount, reverse=True, scale=scale, decayed=True)
     return _unwritten(dh.astype(qg.dtype), cstart, ccount, False), dh0
 
@@ -265,8 +273,9 @@ def _delta_states(q, k, G, h0, cstart, ccount, *, scale, v_new):
     return un(flat(o), True), un(flat(vn), True), un(h.astype(dt), False), ht
 
 
-def delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, *, scale):
+def delta_fwd_fused_h(q, k, w, u, g, h0, cstart, ccount, *, scale):
     """kernels/delta/fwd.py `chunk_delta_fwd(store_h=True)`: o, v_new, h, ht."""
+    G = g
     G = _gate_columns(G)
     wc, uc = _chunks(w)[0], _chunks(u)[0]
     v_new = lambda n, Sd: (uc[n] - jnp.einsum("chk,hkv->chv", wc[n], Sd)).astype(q.dtype).astype(f32)
@@ -310,9 +319,10 @@ def _inverse(k, beta):
     return T0.astype(k.dtype)
 
 
-def delta_inv(k, G, beta):
+def delta_inv(k, g, beta):
     """kernels/delta/wy.py `chunk_delta_wy(inverse_only=True, gate_rows=True)`: T0, and G and beta
     as rows `gr [NT, HV, 2, C]`."""
+    G = g
     return _inverse(k, beta), jnp.stack([_columns_to_rows(x) for x in (G, beta)], axis=2)
 
 
@@ -321,9 +331,10 @@ def _rsqrt_norm(x, HV):
     return jax.lax.rsqrt(jnp.sum(jnp.square(jnp.repeat(x, HV // x.shape[1], axis=1).astype(f32)), axis=-1) + 1e-6)
 
 
-def delta_inv_l2(q, k, G, beta):
+def delta_inv_l2(q, k, g, beta):
     """`chunk_delta_wy(inverse_only=True, gate_rows=True, l2norm=True)`: T0 of the normalised k (in
     float32), and `gr [NT, HV, 4, C]`: per chunk and value head G, beta, 1 / |q|, 1 / |k|."""
+    G = g
     HV = beta.shape[1]
     rq, rk = _rsqrt_norm(q, HV), _rsqrt_norm(k, HV)
     kn = jnp.repeat(k, HV // k.shape[1], axis=1).astype(f32) * rk[..., None]
@@ -338,21 +349,24 @@ def delta_fwd_fused_t_l2(q, k, v, t, gr, h0, cstart, ccount, *, scale):
     return delta_fwd_fused_t(norm(q, gr[:, :, 2]), norm(k, gr[:, :, 3]), v, t, gr[:, :, :2], h0, cstart, ccount, scale=scale)
 
 
-def delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, *, scale):
+def delta_fwd_fused(q, k, w, u, g, h0, cstart, ccount, *, scale):
+    G = g
     o, vn, _, ht = delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, scale=scale)
     return o, vn, ht
 
 
-def delta_fwd_fused_s(q, k, w, u, G, h0, cstart, ccount, *, scale):
+def delta_fwd_fused_s(q, k, w, u, g, h0, cstart, ccount, *, scale):
     """`chunk_delta_fwd(states_only=True)`: the final states alone; o and v_new unwritten (NaN here, so that a
     reader of them fails)."""
+    G = g
     o, vn, ht = delta_fwd_fused(q, k, w, u, G, h0, cstart, ccount, scale=scale)
     return jnp.full_like(o, jnp.nan), jnp.full_like(vn, jnp.nan), ht
 
 
-def delta_bwd_dh(q, k, w, do, G, dht, cstart, ccount, *, scale):
+def delta_bwd_dh(q, k, w, do, g, dht, cstart, ccount, *, scale):
     """kernels/delta/bwd.py `chunk_delta_bwd_dh(store_du=True)`: dh (after each chunk), dh0 and
     du, the gradient of v_new (input dtype)."""
+    G = g
     dht = _initial_states(dht, cstart)  # (zeros where it has no rows)
     G = _gate_columns(G)
     HV = do.shape[1]
@@ -397,38 +411,43 @@ def _wy(k, v, G, beta):
     return flat(w), flat(u), Tm
 
 
-def delta_wy_t(k, v, G, beta):
+def delta_wy_t(k, v, g, beta):
     """kernels/delta/wy.py `chunk_delta_wy(store_t=True)`: w, u (input dtype), T (float32); G and beta
     `[L, HV]`, or with `g_rows` per-chunk rows."""
+    G = g
     w, u, Tm = _wy(jnp.repeat(k, v.shape[1] // k.shape[1], axis=1), v, _gate_columns(G), _gate_columns(beta))
     return w.astype(k.dtype), u.astype(k.dtype), Tm
 
 
-def delta_wy_t_l2(q, k, v, G, beta):
+def delta_wy_t_l2(q, k, v, g, beta):
     """`chunk_delta_wy(store_t=True, l2norm=True)`: `delta_wy_t` of the normalised k, and the
     normalised q, k (input dtype) and their `1 / |x|` (float32 `[L, H]`)."""
+    G = g
     (yq, rq), (yk, rk) = l2norm_fwd(q), l2norm_fwd(k)
     return (*delta_wy_t(yk, v, G, beta), yq, yk, rq, rk)
 
 
-def delta_wy(k, v, G, beta):
+def delta_wy(k, v, g, beta):
+    G = g
     return delta_wy_t(k, v, G, beta)[:2]
 
 
-def delta_bwd_dqkvg(q, k, vn, G, h, do, dh, *, scale, parts=1):
+def delta_bwd_dqkvg(q, k, v, g, h, do, dh, *, scale, parts=1):
     """kernels/simple_gla/bwd.py `chunk_bwd_dqkvg(delta=True, no_dv=True)`: the simple GLA consumer
     on v_new with q/k head j // (HV / H), less dv; dq, dk per value head, dg."""
+    vn, G = v, g  # (v_new)
     HV = vn.shape[1]
     rep = lambda x: jnp.repeat(x, HV // x.shape[1], axis=1)
     dq, dk, _, dg = bwd_dqkvg(rep(q), rep(k), vn, G, h, do, dh, scale=scale, parts=parts)
     return dq, dk, dg
 
 
-def delta_wy_bwd(k, v, G, beta, Tm, h, du, dk0):
+def delta_wy_bwd(k, v, g, beta, t, h, du, dk0):
     """kernels/delta/wy.py `chunk_delta_wy_bwd`: dk (per value head, plus dk0) and dv in the input
     dtype, dG, dbeta (float32), by JAX's VJP of the preparation (T recomputed), with
     `dw = -du h^T` rounded to the input dtype. G and beta `[L, HV]`, or with `g_rows` per-chunk rows."""
-    del Tm
+    G = g
+    del t  # (T is recomputed)
     dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
     return dk.astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
@@ -464,16 +483,18 @@ def _l2norm_grad(y, r, dy):
     return r[..., None] * (dy - y * jnp.sum(dy * y, axis=-1, keepdims=True))
 
 
-def delta_bwd_dqkvg_l2(q, k, vn, G, h, do, dh, rq, *, scale):
+def delta_bwd_dqkvg_l2(q, k, v, g, h, do, dh, rq, *, scale):
     """`chunk_bwd_dqkvg(delta=True, l2norm=True)`: dq the raw q's gradient (q normalised, rq = 1 / |q|;
     G and rq per-chunk rows with `g_rows`)."""
+    vn, G = v, g  # (v_new)
     dq, dk, dg = delta_bwd_dqkvg(q, k, vn, G, h, do, dh, scale=scale)
     return _l2norm_grad(q, _gate_columns(rq), dq).astype(dq.dtype), dk, dg
 
 
-def delta_wy_bwd_l2(k, v, G, beta, Tm, h, du, dk0, rk):
+def delta_wy_bwd_l2(k, v, g, beta, t, h, du, dk0, rk):
     """`chunk_delta_wy_bwd(l2norm=True)`: dk the raw k's gradient (k normalised, rk = 1 / |k|),
     the normalisation's gradient taken of dk in float32 (G, beta and rk per-chunk rows with `g_rows`)."""
+    G = g
     dk, dv, dG, dbeta = _wy_bwd(k, v, G, beta, h, du, dk0)
     return _l2norm_grad(k, _gate_columns(rk), dk).astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
@@ -486,17 +507,19 @@ def _grads(q, k, v, vn, G, beta, h, do, dh, du, *, scale):
     return dq, dk, dv, dG0 + dG, dbeta
 
 
-def delta_bwd_grads(q, k, v, vn, G, beta, Tm, h, do, dh, du, *, scale):
+def delta_bwd_grads(q, k, v, vn, g, beta, t, h, do, dh, du, *, scale):
     """kernels/delta/grads.py `chunk_delta_bwd_grads`: `delta_bwd_dqkvg` and `delta_wy_bwd` in one
     program, dk summed in float32 (G, beta per-chunk rows); dG the sum of both parts."""
-    del Tm
+    G = g
+    del t  # (T is recomputed)
     dq, dk, dv, dG, dbeta = _grads(q, k, v, vn, G, beta, h, do, dh, du, scale=scale)
     return dq.astype(du.dtype), dk.astype(du.dtype), dv.astype(du.dtype), dG, dbeta
 
 
-def delta_bwd_grads_l2(q, k, v, vn, G, beta, Tm, h, do, dh, du, rq, rk, *, scale):
+def delta_bwd_grads_l2(q, k, v, vn, g, beta, t, h, do, dh, du, rq, rk, *, scale):
     """`chunk_delta_bwd_grads(l2norm=True)`: dq, dk the raw q's and k's gradients."""
-    del Tm
+    G = g
+    del t  # (T is recomputed)
     dq, dk, dv, dG, dbeta = _grads(q, k, v, vn, G, beta, h, do, dh, du, scale=scale)
     dq, dk = _l2norm_grad(q, _gate_columns(rq), dq), _l2norm_grad(k, _gate_columns(rk), dk)
     return dq.astype(du.dtype), dk.astype(du.dtype), dv.astype(du.dtype), dG, dbeta
@@ -519,37 +542,42 @@ def _programs():
 BUILT = _programs()
 
 
-def call(target, results, *args, init=None, **attrs):
-    """Drop-in for fla_jax._tilelang.runtime.call (less its first argument, the call)."""
-    args = (*args, *(init or ()))
+def program(target):
+    """The stand-in for program `target` (of its kind: an experiment computes what its kind does)."""
+    return {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)["_" + BUILT[target][0]]
+
+
+def launch(_p, target, results, named, init=None):
+    """Drop-in for fla_jax._tilelang.runtime.launch: the program's inputs and attributes by the names its
+    prim_func gives them (`runtime.call` has checked them against the built interface, where built)."""
+    named = dict(named)
     kind, config = BUILT[target]
     sums = ()
     if config.get("g_scan"):  # the gates per step, summed within each chunk by the program
-        i = {"inv_l2": 2, "inv": 1, "wy_t": 2}.get(kind, 3)  # (simple GLA's state pass, wy_t_l2: the fourth input)
-        G = args[i]
-        G = jnp.cumsum(G.reshape(-1, C, *G.shape[1:]), axis=1).reshape(G.shape)
-        args = (*args[:i], G, *args[i + 1 :])
+        G = named["g"]
+        named["g"] = G = jnp.cumsum(G.reshape(-1, C, *G.shape[1:]), axis=1).reshape(G.shape)
         if kind.startswith("wy_t"):  # (the training WY kernel also writes G and its per-chunk rows)
             sums = (G, jnp.moveaxis(G.reshape(-1, C, G.shape[1]), 1, 2))
-    dg0 = None
-    if config.get("dg_sum"):  # the WY VJP takes the consumer's gradient of G (after dk0) and returns the gates' per step
-        dg0, args = args[8], (*args[:8], *args[9:])
-    fn = {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)["_" + kind]
-    attrs = {k: float(v) for k, v in attrs.items()}
+    # the WY VJP taking the consumer's gradient of G (`dg_sum`) adds it and returns the gates' per step
+    dg0 = named.pop("dg0") if config.get("dg_sum") else None
+    if init is not None:  # (simple GLA's `enter` adds to its output o, the one program that updates in place)
+        named["o"] = init[0]
+    fn = program(target)
+    if "scale" in named:
+        named["scale"] = float(named["scale"])
     # where the key channels are split, results[2] has a leading axis of parts: dv [parts, L, H, V], or
     # the delta rules' consumer (no dv, three results) dg [parts, L, HV]
     if target.endswith("_dqkvg") and len(results[2].shape) == (4 if len(results) == 4 else 3):
-        attrs["parts"] = results[2].shape[0]
-    out = fn(*args, **attrs)
+        named["parts"] = results[2].shape[0]
+    out = fn(**named)
     out = (*out, *sums) if sums else out
     if dg0 is not None:
         dG = (out[2] + dg0).reshape(-1, C, dg0.shape[1])
         out = (*out[:2], jnp.flip(jnp.cumsum(jnp.flip(dG, 1), axis=1), 1).reshape(dg0.shape), out[3])
-    shapes = results if isinstance(results, tuple) else (results,)
-    if kind == "dh" and shapes[1].shape[0] == 0:  # (no dh0 where the call has no initial state: none written)
+    if kind == "dh" and results[1].shape[0] == 0:  # (no dh0 where the call has no initial state: none written)
         out = (out[0], out[1][:0], *out[2:])
     outs = out if isinstance(out, tuple) else (out,)
-    assert len(outs) == len(shapes), (target, len(outs), len(shapes))
-    for o, r in zip(outs, shapes):
+    assert len(outs) == len(results), (target, len(outs), len(results))
+    for o, r in zip(outs, results):
         assert o.shape == r.shape and o.dtype == r.dtype, (target, o.shape, r.shape, o.dtype, r.dtype)
-    return out
+    return outs

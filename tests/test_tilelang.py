@@ -37,9 +37,16 @@ def test_every_variant_is_registered():
     assert registered - dispatched <= experiments, sorted(registered - dispatched - experiments)[:5]
 
 
-# `_call`'s configuration where a test calls programs itself: every output starts as NaN
+# the configuration where a test calls programs itself (`_call`): every output starts as NaN
 POISONED = tilelang_backend.configured(_problem.Problem(op="simple_gla", delta=False, chunk_size=64, dtype="bfloat16"),
                                        Config(poison_outputs=True))
+
+
+def _call(target: str, results, args, attrs=None):
+    """Program `target` on `args` given in the order of its inputs, NaN-poisoned outputs: the built interface names
+    them (`runtime.interfaces`, the build's record of the prim_func), as `runtime.call` takes them."""
+    names = [q.name for q in runtime.interfaces()[target].inputs]
+    return runtime.call(POISONED, target, results, **dict(zip(names, args, strict=True)), **(attrs or {}))
 
 
 def _skip_unless_built(*names: str) -> None:
@@ -58,12 +65,12 @@ def test_dispatched_programs_keep_their_registers():
     put the state in local memory in every one of them (768 bytes a thread; simple GLA's forward
     1.7x slower on an H100)."""
     import json
-    import pathlib
 
-    gen = pathlib.Path(__file__).resolve().parents[1] / "build" / "gen"
+    import build
+
     # (but where a program holds itself to fewer registers on purpose, `min_blocks`: `inv_l2` at K = 64 spills 32
     # bytes at eight programs an SM and measured faster so)
-    reports = {v.target(p): json.loads((gen / f"{v.target(p)}.json").read_text()).get("ptxas") for v in variants.VARIANTS
+    reports = {v.target(p): json.loads(build.generated(v.target(p), "json").read_text()).get("ptxas") for v in variants.VARIANTS
                for p in v.programs if not p.of and not dict(p.config).get("min_blocks")}
     assert all(reports.values()), [t for t, r in reports.items() if not r]  # (built before build.py recorded it)
     bad = {t: r for t, r in reports.items() if r["spill_stores"] or r["spill_loads"] or r["serialized"]}
@@ -468,7 +475,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
     if op == "delta" and name in ("wy_bwd", "wy_bwd_l2"):  # T from the forward's program on its inputs, as the backward gets it
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        t = jax.jit(lambda *a: runtime.call(POISONED, plan.targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: _call(plan.targets(p, "fwd", D, D)["wy_t"], wy_results, a))(k, v, G, beta)[2]
         h, du, dk0 = x(NT, H, D, D), x(L, H, D), x(L, H, D)
         rk = (jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32),) if name == "wy_bwd_l2" else ()  # (k the normalised y)
         # (G, beta and r as per-chunk rows where it loads them so)
@@ -477,7 +484,7 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
     if op == "delta" and name in ("grads", "grads_l2"):  # the consumer and the WY VJP in one program: both's inputs
         wy_results, (k, v, G, beta), _ = _program_inputs(op, "wy_t", dtype, D)
         p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
-        t = jax.jit(lambda *a: runtime.call(POISONED, plan.targets(p, "fwd", D, D)["wy_t"], wy_results, *a))(k, v, G, beta)[2]
+        t = jax.jit(lambda *a: _call(plan.targets(p, "fwd", D, D)["wy_t"], wy_results, a))(k, v, G, beta)[2]
         q, vn, do, du, h, dh = x(L, H, D), x(L, H, D), x(L, H, D), x(L, H, D), x(NT, H, D, D), x(NT, H, D, D)
         rs = tuple(jnp.asarray(rng.uniform(0.5, 2.0, (L, H)), jnp.float32) for _ in range(2 if name == "grads_l2" else 0))
         sums, rs = (gates_for("bwd"), *common.steps_for(prob, "bwd", D, name, 64, beta)), common.steps_for(prob, "bwd", D, name, 64, *rs)
@@ -504,7 +511,7 @@ def test_experimental_programs_match_the_dispatched_ones(key, prog):
     # the same inputs as the experiment takes them (the gates per step where it sums them, or as rows: the inputs
     # formed with it in its kind's place; the training WY kernel summing the gates also writes G and its rows)
     results2, args2 = _program_inputs(op, main.name, variants.DTYPES[dt], K, Config(experiments=(((op, direction, prog.kind), prog.name),)))[:2]
-    run = lambda p, r, a: jax.jit(lambda *a: runtime.call(POISONED, variant.target(p), r, *a, **attrs))(*a)
+    run = lambda p, r, a: jax.jit(lambda *a: _call(variant.target(p), r, a, attrs))(*a)
     want = run(main, results, args)
     if len(results2) > len(results):  # G (the main program's input, as columns) and its rows [NT, H, 64]
         G = kernel_emulator._gate_columns(args[3])
@@ -543,7 +550,7 @@ def test_delta_grads_program_matches_the_two_it_fuses(K, l2norm, dtype):
     q, k, v, vn, g, beta, t, h, do, dh, du, *rs = args
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype=dtype)
     bwd = plan.targets(p, "bwd", K, K)
-    call = lambda target, res, *a, **kw: jax.jit(lambda *a: runtime.call(POISONED, target, res, *a, **kw))(*a)
+    call = lambda target, res, *a, **kw: jax.jit(lambda *a: _call(target, res, a, kw))(*a)
     got = call(bwd[name], results, *args, **attrs)
     consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if l2norm else ("dqkvg", "wy_bwd")
     assert all(plan.program_config(p, "bwd", K, n).get("g_rows") for n in (consumer, wy)), "G and beta as rows for all three"
@@ -569,7 +576,7 @@ def test_delta_states_only_pass_matches_the_full_pass(K, dtype):
 
     def run(name):  # (the same draws for both: G as each program takes it)
         results, args, attrs = _program_inputs("delta", name, dtype, K)
-        return jax.jit(lambda *a: runtime.call(POISONED, fwd[name], results, *a, **attrs))(*args)
+        return jax.jit(lambda *a: _call(fwd[name], results, a, attrs))(*args)
 
     want, got = run("fused"), run("fused_s")
     assert all(np.isnan(np.asarray(x.astype(jnp.float32))).all() for x in got[:2]), "o and v_new written"
@@ -596,7 +603,7 @@ def test_delta_wy_inverse_against_float64(K):
     p = _problem.Problem(op="delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
     like = lambda a, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype)
     results = (like(k), like(v), jax.ShapeDtypeStruct((NT, H, 64, 64), jnp.float32))
-    _, _, t = jax.jit(lambda *a: runtime.call(POISONED, plan.targets(p, "fwd", K, K)["wy_t"], results, *a))(k, v, G, beta)
+    _, _, t = jax.jit(lambda *a: _call(plan.targets(p, "fwd", K, K)["wy_t"], results, a))(k, v, G, beta)
     kc = np.asarray(k, np.float64).reshape(NT, 64, H, K).transpose(0, 2, 1, 3)
     g = np.asarray(G, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
     b = np.asarray(beta, np.float64).reshape(NT, 64, H).transpose(0, 2, 1)
@@ -690,7 +697,7 @@ def test_gla_gates_at_scale(K):
     flat = lambda x: jnp.asarray(x).reshape(B * T, H, K)
     results = (jax.ShapeDtypeStruct((B * T // 64, H, 64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((B * T, H, K), jnp.float32),
                jax.ShapeDtypeStruct((B * T, H, K), jnp.bfloat16), jax.ShapeDtypeStruct((B * T, H, K), jnp.bfloat16))
-    run = jax.jit(lambda *a: runtime.call(POISONED, variant.target(prog), results, *a, scale=np.float32(K**-0.5)))
+    run = jax.jit(lambda *a: _call(variant.target(prog), results, a, {"scale": np.float32(K**-0.5)}))
     G = np.asarray(run(flat(q), flat(k), flat(g))[1])
     ref = np.cumsum(g.astype(np.float64).reshape(-1, 64, H, K), axis=1).reshape(G.shape)
     assert np.max(np.abs(G - ref) / (1 + np.abs(ref))) < 1e-5
@@ -702,9 +709,12 @@ def test_gla_gates_at_scale(K):
 @on_hopper
 @pytest.mark.gpu
 def test_tilelang_bad_shape_is_a_python_error():
-    x = jnp.zeros((1, 64, 2, 96), jnp.bfloat16)
-    with pytest.raises(fla_jax.BackendUnavailableError, match="K = 96"):
-        fla_jax.chunk_simple_gla(x, x, x, backend="tilelang")
+    """A head dim the kernels do not take is refused with the reason (K = 96 is padded to 128 since K != V went
+    onto the kernels; the delta rules' K is not split, so K = 320 is above their largest program)."""
+    x = jnp.zeros((1, 64, 2, 320), jnp.bfloat16)
+    beta = jnp.ones((1, 64, 2), jnp.float32)
+    with pytest.raises(fla_jax.BackendUnavailableError, match="K = 320 is above"):
+        fla_jax.chunk_delta_rule(x, x, x, beta, backend="tilelang")
 
 
 def test_build_outputs_for_every_program():
@@ -712,18 +722,18 @@ def test_build_outputs_for_every_program():
     cubin compiled from the program's current CUDA source and lowering key (an interrupted build
     once kept a stale cubin under a new description: a different kernel behind the launch)."""
     import json
-    from pathlib import Path
 
     import build
     from fla_jax._variants import VARIANTS
 
-    gen = Path(__file__).resolve().parent.parent / "build" / "gen"
     for v in VARIANTS:
         for p in v.programs:
-            cubin = (gen / f"{v.target(p)}.cubin").read_bytes()
+            gen = lambda ext: build.generated(v.target(p), ext)  # (build/gen/<op>/: one op's generated code in one folder)
+            assert gen("cubin").parent.name == v.op
+            cubin = gen("cubin").read_bytes()
             assert cubin[:4] == b"\x7fELF", v.target(p)
-            assert (gen / f"{v.target(p)}.cc").read_text().startswith("// generated by build.py from kernels/")
-            meta = json.loads((gen / f"{v.target(p)}.json").read_text())
+            assert gen("cc").read_text().startswith("// generated by build.py from kernels/")
+            meta = json.loads(gen("json").read_text())
             assert all(0 <= ln["smem"] <= 227 * 1024 for ln in meta["launches"]), (v.target(p), meta["launches"])
             assert build._built(meta, build.content_key(v, p)), v.target(p)
 

@@ -36,9 +36,47 @@ def emulated(monkeypatch):
     # (the partitioned functions are cached with what they traced: a test that records the kernels' calls
     # starts from none)
     tilelang_backend._partitioned_with.cache_clear()
-    monkeypatch.setattr(runtime, "call", lambda _p, *a, **kw: kernel_emulator.call(*a, **kw))
+    monkeypatch.setattr(runtime, "launch", kernel_emulator.launch)
     monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
     monkeypatch.setattr(tilelang_backend, "registered", lambda: [v.target(p) for v in VARIANTS for p in v.declared])
+
+
+def test_the_emulator_takes_each_built_program_by_its_interface():
+    """Every built program's interface (`runtime.interfaces`: the build's record of its prim_func, carried by the
+    extension) names the inputs and attributes, in order, that its stand-in in tests/kernel_emulator.py takes: the
+    glue calls both by those names."""
+    import inspect
+
+    interfaces = runtime.interfaces()
+    assert {v.target(p) for v in VARIANTS for p in v.programs} <= set(interfaces)
+    for target, interface in interfaces.items():
+        takes = [n for n in inspect.signature(kernel_emulator.program(target)).parameters if n not in ("parts", "o")]
+        assert takes == [q.name for q in interface.inputs] + list(interface.attrs), (target, takes, interface)
+
+
+def test_a_program_call_is_checked_against_its_interface(monkeypatch):
+    """`runtime.call` refuses at trace time, naming the program and the argument, a call whose inputs are not the
+    program's by name, or whose buffers do not fit its declared dtypes and shapes (a symbolic dim such as L must
+    agree across every buffer); a call that fits reaches the launch with its inputs in the program's order."""
+    launched = []
+    monkeypatch.setattr(runtime, "launch", lambda p, target, results, named, init: launched.append(list(named)) or results)
+    target = "fla_simple_gla_fwd_bf16_k64_v64_c64_fused"
+    p = Problem(op="simple_gla", delta=False, chunk_size=64, dtype="bfloat16")
+    x = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+    L, H, N = 128, 2, 2
+    named = dict(q=x(L, H, 64), k=x(L, H, 64), v=x(L, H, 64), g=x(L // 64, H, 64, dt=jnp.float32), h0=x(0, H, 64, 64, dt=jnp.float32),
+                 cstart=x(N, dt=jnp.int32), ccount=x(N, dt=jnp.int32), scale=0.125)
+    results = (x(L, H, 64), x(N, H, 64, 64, dt=jnp.float32))
+    runtime.call(p, target, results, **named)
+    assert launched == [list(named)]
+    with pytest.raises(TypeError, match=rf"{target} takes .*missing \['k'\], unknown \['key'\]"):
+        runtime.call(p, target, results, **{("key" if n == "k" else n): a for n, a in named.items()})
+    with pytest.raises(ValueError, match=rf"{target}: `v` dim 0 must be L = 128, got 64"):
+        runtime.call(p, target, results, **dict(named, v=x(64, H, 64)))
+    with pytest.raises(TypeError, match=rf"{target}: `g` must be float32"):
+        runtime.call(p, target, results, **dict(named, g=x(L // 64, H, 64)))
+    with pytest.raises(ValueError, match=rf"{target}: `ht` dim 0 must be N = 2, got 3"):
+        runtime.call(p, target, (results[0], x(3, H, 64, 64, dt=jnp.float32)), **named)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -56,23 +94,23 @@ def test_glue_matches_float64(case, emulated):
 
 
 def _watch_rows(monkeypatch, pick):
-    """Emulated programs (`kernel_emulator.call` in `_call`'s place), recording `pick(name, args)` of each
-    call where it is not None (`calls`: program name -> its records) and the shapes XLA's `_gate_rows`
-    transposes to per-chunk rows (`transposed`)."""
+    """Emulated programs (`kernel_emulator.launch` in `runtime.launch`'s place), recording `pick(name, named)` of
+    each call (its inputs by name) where it is not None (`calls`: program name -> its records) and the shapes
+    XLA's `_gate_rows` transposes to per-chunk rows (`transposed`)."""
     calls, transposed = {}, []
 
-    def record(_p, target, results, *args, **attrs):
+    def record(p, target, results, named, init=None):
         name = target.rsplit("_c64_", 1)[1]
-        if (seen := pick(name, args)) is not None:
+        if (seen := pick(name, named)) is not None:
             calls.setdefault(name, []).append(seen)
-        return kernel_emulator.call(target, results, *args, **attrs)
+        return kernel_emulator.launch(p, target, results, named, init)
 
     def gate_rows(x, C):
         transposed.append(x.shape)
         return gate_rows_of(x, C)
 
     gate_rows_of = common.gate_rows
-    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(runtime, "launch", record)
     monkeypatch.setattr(common, "gate_rows", gate_rows)
     return calls, transposed
 
@@ -90,7 +128,7 @@ def test_simple_gla_gate_rows_match_float64(case, emulated, monkeypatch):
     put in place (`Config.experiments`). Each takes G as rows `[NT, H, 64]`, the forward under the
     gradient hands its rows to the backward (`plan.stores_gate_rows`: XLA transposes G once, not again
     in the backward), and o, ht and every gradient match float64, emulated."""
-    calls, transposes = _watch_rows(monkeypatch, lambda name, args: args[2 if name == "dh" else 3].shape
+    calls, transposes = _watch_rows(monkeypatch, lambda name, named: named["g"].shape
                                     if name in ("dh", "x_fused_tp4", "fused_h", "dqkvg") else None)
     cfg = Config(experiments=((("simple_gla", "fwd", "fused"), "x_fused_tp4"),))
     assert plan.stores_gate_rows(configured(Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), cfg), case.K)
@@ -120,14 +158,14 @@ def test_simple_gla_forward_split_matches_float64(case, emulated, monkeypatch):
     o, ht still match float64; with the split off, B sequences and no `enter`."""
     seqs = []
 
-    def record(_p, target, results, *args, **attrs):
+    def record(p, target, results, named, init=None):
         if target.endswith("_fused"):
-            seqs.append(args[-1].shape[0])
+            seqs.append(named["ccount"].shape[0])
         if target.endswith("_enter"):
-            seqs.append(("enter", args[2].shape[0] * args[2].shape[1]))
-        return kernel_emulator.call(target, results, *args, **attrs)
+            seqs.append(("enter", named["d"].shape[0] * named["d"].shape[1]))
+        return kernel_emulator.launch(p, target, results, named, init)
 
-    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(runtime, "launch", record)
     diff, cot = make_inputs(case, 31)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     for programs, pieces in ((132, 4), (0, 1)):
@@ -184,12 +222,12 @@ def test_state_passes_in_pieces_match_float64(case, emulated, monkeypatch):
     N = case.B if case.cu is None else len(case.cu) - 1
     seqs = []
 
-    def record(_p, target, results, *args, **attrs):
-        if args[-1].dtype == jnp.int32 and args[-1].ndim == 1 and args[-3].ndim == 4:  # (a state pass: ..., h0, cstart, ccount)
-            seqs.append(args[-1].shape[0])
-        return kernel_emulator.call(target, results, *args, **attrs)
+    def record(p, target, results, named, init=None):
+        if "ccount" in named:  # (a state pass, forward or reverse)
+            seqs.append(named["ccount"].shape[0])
+        return kernel_emulator.launch(p, target, results, named, init)
 
-    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(runtime, "launch", record)
     for programs, pieces in ((0, 1), (4 * N * (case.HV or case.H), 4)):  # (a program per sequence and head at V = 64)
         seqs.clear()
         errs = errors_against_float64(case, 43, backend=Config(split_programs=programs, split_min_chunks=1))
@@ -223,15 +261,15 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
     With both switches off (`zero_rows` false) XLA's zeros, rows for every sequence."""
     rows, names, reverse = [], [], []
 
-    def record(_p, target, results, *args, **attrs):
+    def record(p, target, results, named, init=None):
         names.append(target.rsplit("_c64_", 1)[1])
-        if "_fwd_" in target and len(args) >= 3 and args[-1].dtype == jnp.int32 and args[-3].ndim == 4:
-            rows.append((args[-3].shape[0], args[-1].shape[0]))  # h0 [N0, H, K, V] before cstart, ccount [N]
+        if "_fwd_" in target and "h0" in named:
+            rows.append((named["h0"].shape[0], named["ccount"].shape[0]))  # h0 [N0, H, K, V], ccount [N]
         if "_bwd_" in target and target.endswith("_dh"):
-            reverse.append((args[-3].shape[0], results[1].shape[0], args[-1].shape[0]))  # dht [ND, ...], dh0 [N0, ...], ccount [N]
-        return kernel_emulator.call(target, results, *args, **attrs)
+            reverse.append((named["dht"].shape[0], results[1].shape[0], named["ccount"].shape[0]))  # dht [ND, ...], dh0 [N0, ...]
+        return kernel_emulator.launch(p, target, results, named, init)
 
-    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(runtime, "launch", record)
     # (the experiments stand in for the WY VJP of two programs: `delta_grads_kernel` off)
     cfg = Config(zero_row_h0=zero_rows, zero_row_dht=zero_rows, split_min_chunks=2, delta_grads_kernel=(),
                  experiments=tuple(GATE_SCAN_EXPERIMENTS.items()))
@@ -297,12 +335,12 @@ def test_delta_backward_gate_rows_match_float64(case, emulated, monkeypatch):
     programs `x_wy_t_l2_cols`, `x_dqkvg_l2_cols`, `x_wy_bwd_l2_cols` beside them)."""
     consumer, wy = ("dqkvg_l2", "wy_bwd_l2") if case.l2norm else ("dqkvg", "wy_bwd")
     grads = "grads_l2" if case.l2norm else "grads"  # (the two in one program, `delta_grads_kernel`)
-    # (the consumer's G and 1 / |q|, after q, k, v_new, G, h, do, dh; the WY VJP's G, beta and 1 / |k|, after dk0; the one
-    # program's G, beta after q, k, v, v_new, and 1 / |q|, 1 / |k| after T, h, do, dh, du)
-    picks = {consumer: lambda a: (a[3], *a[7 : 7 + case.l2norm]), wy: lambda a: (a[2], a[3], *a[8 : 8 + case.l2norm]),
-             grads: lambda a: (a[4], a[5], *a[11 : 11 + 2 * case.l2norm])}
-    if case.l2norm:  # (the WY kernel's G and beta, after q, k, v)
-        picks["wy_t_l2"] = lambda a: (a[3], a[4])
+    # (the consumer's G and 1 / |q|; the WY VJP's G, beta and 1 / |k|; the one program's G, beta, 1 / |q|, 1 / |k|)
+    norms = lambda a, *names: tuple(a[n] for n in names) if case.l2norm else ()
+    picks = {consumer: lambda a: (a["g"], *norms(a, "rq")), wy: lambda a: (a["g"], a["beta"], *norms(a, "rk")),
+             grads: lambda a: (a["g"], a["beta"], *norms(a, "rq", "rk"))}
+    if case.l2norm:  # (the WY kernel's G and beta)
+        picks["wy_t_l2"] = lambda a: (a["g"], a["beta"])
     calls, transposed = _watch_rows(monkeypatch, lambda n, args: tuple(a.shape for a in picks[n](args)) if n in picks else None)
     errs = errors_against_float64(case, 47)
     HV = case.HV or case.H
@@ -374,11 +412,11 @@ def test_delta_l2norm_gradient_folded(case, emulated, monkeypatch):
     without it a `norm` and a `norm_bwd` pass per tensor; both against the float64 recurrence (emulated kernels)."""
     calls = []
 
-    def record(_p, target, *args, **attrs):
+    def record(p, target, *args):
         calls.append(target.rsplit("_c64_", 1)[1])
-        return kernel_emulator.call(target, *args, **attrs)
+        return kernel_emulator.launch(p, target, *args)
 
-    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(runtime, "launch", record)
     diff, cot = make_inputs(case, 43)
     ref_g, _ = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
@@ -410,11 +448,11 @@ def test_delta_forward_from_the_inverse_matches_float64(case, emulated, monkeypa
     off, the WY kernel and the state pass on w and u."""
     calls = []
 
-    def record(_p, target, *args, **attrs):
+    def record(p, target, *args):
         calls.append(target.rsplit("_c64_", 1)[1])
-        return kernel_emulator.call(target, *args, **attrs)
+        return kernel_emulator.launch(p, target, *args)
 
-    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(runtime, "launch", record)
     diff, cot = make_inputs(case, 37)
     _, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     tol = 1e-2 if case.dtype == "bfloat16" else 3e-3
@@ -481,12 +519,12 @@ def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
 
     pieces = []
 
-    def record(_p, target, results, *args, **attrs):
+    def record(p, target, results, named, init=None):
         if target.endswith("_fused"):
-            pieces.append(args[-1].shape[0] * 64 * 8 // args[0].shape[0])  # pieces a sequence (of 8 chunks)
-        return kernel_emulator.call(target, results, *args, **attrs)
+            pieces.append(named["ccount"].shape[0] * 64 * 8 // named["q"].shape[0])  # pieces a sequence (of 8 chunks)
+        return kernel_emulator.launch(p, target, results, named, init)
 
-    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(runtime, "launch", record)
     case = Case("simple_gla", 4, 64 * 8, 4, 64, 64, dtype="bfloat16", h0=True)
     diff, _ = make_inputs(case, 43)
     fwd = forward_outputs(case, Config(split_min_chunks=2))
@@ -586,14 +624,14 @@ def test_hostile_traced_cu_seqlens_reach_no_kernel(op, emulated, monkeypatch):
 
     tables = []
 
-    def record(_p, target, results, *args, **attrs):
-        ints = [a for a in args if a.dtype == jnp.int32 and a.ndim == 1]
-        rows = max(a.shape[0] for a in args if a.ndim >= 2 and a.dtype != jnp.int32)
-        if len(ints) == 2:  # (the tables' values as the program would get them)
-            jax.debug.callback(lambda cstart, ccount: tables.append((target, (cstart, ccount), rows)), *ints)
-        return kernel_emulator.call(target, results, *args, **attrs)
+    def record(p, target, results, named, init=None):
+        arrays = [a for a in named.values() if hasattr(a, "ndim")]
+        rows = max(a.shape[0] for a in arrays if a.ndim >= 2 and a.dtype != jnp.int32)
+        if "ccount" in named:  # (the tables' values as the program would get them)
+            jax.debug.callback(lambda cstart, ccount: tables.append((target, (cstart, ccount), rows)), named["cstart"], named["ccount"])
+        return kernel_emulator.launch(p, target, results, named, init)
 
-    monkeypatch.setattr(runtime, "call", record)
+    monkeypatch.setattr(runtime, "launch", record)
     case = Case(op, 1, T, 2, 64, 64, dtype="bfloat16", cu=VALID_CU, h0=True)
     diff, cot = make_inputs(case, 3)
     run = jax.jit(lambda d, c, cu: _grads_with_cu(case, d, c, cu))
@@ -685,8 +723,8 @@ def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
     diff, cot = make_inputs(case, 41)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     shapes = []
-    record = lambda _p, target, results, *a, **kw: shapes.append(target) or kernel_emulator.call(target, results, *a, **kw)
-    monkeypatch.setattr(runtime, "call", record)
+    record = lambda p, target, *a: shapes.append(target) or kernel_emulator.launch(p, target, *a)
+    monkeypatch.setattr(runtime, "launch", record)
     grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
     assert shapes and all(f"_k{t.D}_v{t.D}_" in n for n in shapes), shapes  # (the square programs ran)
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}

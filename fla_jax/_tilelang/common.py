@@ -57,15 +57,15 @@ def steps_for(p: Problem, direction: str, K: int, name: str, C: int, *xs):
     return tuple(gate_rows(x, C) for x in xs) if plan.program_config(p, direction, K, name).get("g_rows") else xs
 
 
-def consumer(p: Problem, target: str, results, *args, scale):
+def consumer(p: Problem, target: str, results, **named):
     """The backward's consumer `(dq, dk, dv, dg)` (the delta rules' `(dq, dk, dg)`: their reverse
     pass stores dv, `no_dv`), summing the parts of dv (and dg) where it splits the key channels
-    (`value_parts`); `results` as the unsplit program writes them."""
-    parts = plan.value_parts(p, args[0].shape[-1], args[2].shape[-1])
+    (`value_parts`); `results` as the unsplit program writes them, `named` its inputs."""
+    parts = plan.value_parts(p, named["q"].shape[-1], named["v"].shape[-1])
     if parts > 1:
         split = lambda r: jax.ShapeDtypeStruct((parts, *r.shape), jnp.float32)
         results = (*results[:2], *(split(r) for r in results[2:-1]), results[-1] if p.op == "gla" else split(results[-1]))
-    out = runtime.call(p, target, results, *args, scale=scale)
+    out = runtime.call(p, target, results, **named)
     if parts > 1:  # dv rounded once, as the unsplit program writes it
         out = (*out[:2], *(x.sum(axis=0).astype(r.dtype) for x, r in zip(out[2:-1], results[2:-1])),
                out[-1] if p.op == "gla" else out[-1].sum(axis=0))
@@ -181,15 +181,15 @@ def gate_sums(c: Chunks):
     return G, in_chunk_rows(graw, c.C) if config.of(c.p).gate_sum_dot else None
 
 
-def state_pass(c: Chunks, ins, extra: int = 0, *, name: str | None = None, light=None, totals=None, values_at: int | None = None):
+def state_pass(c: Chunks, ins: dict, extra: int = 0, *, name: str | None = None, light=None, totals=None, values: str | None = None):
     """The forward state pass (`fused`, or under a gradient `fused_h`, storing h): `(o, *extra, *h, ht)` with
     o as the pass writes it (`Chunks.unflat` puts it back in chunk rows), h `[B, NT_b, HV, K, V]` and
-    `extra` per-token results like v beside o (the delta rules' v_new). `ins`: its token inputs, as it takes them.
+    `extra` per-token results like v beside o (the delta rules' v_new). `ins`: its token inputs by name, as it takes them.
 
     Where its programs would leave SMs idle (`pieces`), each sequence is walked in pieces at once
     (`split_pass`); the pieces' transitions are the gates' decays, `totals` (each chunk's sum of the gates
-    `[NT, HV(, K)]`), or for the delta rules the pass's own map of an identity state (`values_at`: the index
-    of the values among `light`'s inputs). `light`: `(name, inputs)` of a pass writing no h (`fused`) for the
+    `[NT, HV(, K)]`), or for the delta rules the pass's own map of an identity state (`values`: the name of the
+    values among `light`'s inputs). `light`: `(name, inputs)` of a pass writing no h (`fused`) for the
     pieces' other passes, under a gradient. `name`: the program (`fused` / `fused_h` where None)."""
     name = name or ("fused_h" if c.store_h else "fused")
     light = light or (name, ins)
@@ -200,9 +200,10 @@ def state_pass(c: Chunks, ins, extra: int = 0, *, name: str | None = None, light
         token = jax.ShapeDtypeStruct((*vf.shape[:2], V), vf.dtype)
         h = (jax.ShapeDtypeStruct((c.NT, c.HV, c.K, V), vf.dtype),) if prog == "fused_h" else ()
         ends = jax.ShapeDtypeStruct((first.shape[0], c.HV, c.K, V), jnp.float32)
-        return runtime.call(c.p, targets_[prog], (token, *(token,) * extra, *h, ends), *inputs, states, first, count, scale=c.scale_f32)
+        return runtime.call(c.p, targets_[prog], (token, *(token,) * extra, *h, ends), **inputs, h0=states, cstart=first, ccount=count,
+                            scale=c.scale_f32)
 
-    P = plan.pieces(c.p, c.cstart.shape[0], c.HV, c.V, c.NT // c.cstart.shape[0]) if totals is not None or values_at is not None else 1
+    P = plan.pieces(c.p, c.cstart.shape[0], c.HV, c.V, c.NT // c.cstart.shape[0]) if totals is not None or values is not None else 1
     if P == 1:
         out = run(name, ins, c.h0, c.cstart, c.ccount)
     else:
@@ -212,7 +213,7 @@ def state_pass(c: Chunks, ins, extra: int = 0, *, name: str | None = None, light
             prog, inputs = light
             vf = c.flat[2]
             zero = jnp.zeros((*vf.shape[:2], c.K), vf.dtype)  # (the values gone: the map of S alone)
-            inputs = (*inputs[:values_at], zero, *inputs[values_at + 1:])
+            inputs = {**inputs, values: zero}
             eye = jnp.broadcast_to(jnp.eye(c.K, dtype=jnp.float32), (first.shape[0], c.HV, c.K, c.K))
             return run(prog, inputs, eye, first, count, V=c.K)[-1], False
 
@@ -349,7 +350,7 @@ def reverse(p: Problem, scale: float, has_h0: bool, tokens, h, stored, norms, ro
 
 
 def reverse_pass(b: Reverse, ins, extra: int = 0, *, totals=None, transition=None):
-    """The reverse state-gradient pass (`dh`) from its token inputs `ins` (as it takes them): `(dh, dh0,
+    """The reverse state-gradient pass (`dh`) from its token inputs `ins` (by name, as it takes them): `(dh, dh0,
     *extra)`, `extra` per-token results like v (the delta rules' du). In pieces where its programs would
     leave SMs idle (`pieces`, `split_pass`): the pieces' transitions are the gates' decays (`totals`, as for
     `state_pass`) or `transition(first, count)` (the delta rules': the forward's map `[pieces, HV, K, K]`,
@@ -358,13 +359,14 @@ def reverse_pass(b: Reverse, ins, extra: int = 0, *, totals=None, transition=Non
 
     def run(states, first, count):
         dh0 = jax.ShapeDtypeStruct((first.shape[0], *b.hf.shape[1:]), jnp.float32)
-        out = runtime.call(b.p, b.bwd["dh"], (like(b.hf), dh0, *(like(vf),) * extra), *ins, states, first, count, scale=b.s)
+        out = runtime.call(b.p, b.bwd["dh"], (like(b.hf), dh0, *(like(vf),) * extra), **ins, dht=states, cstart=first, ccount=count, scale=b.s)
         return (out[0], *out[2:], out[1])  # (the piece states last, as `split_pass` takes them)
 
     N = b.cstart.shape[0]
     P = plan.pieces(b.p, N, vf.shape[1], vf.shape[-1], b.hf.shape[0] // N)
     if P == 1:
-        return runtime.call(b.p, b.bwd["dh"], (like(b.hf), b.dh0_like, *(like(vf),) * extra), *ins, b.dht, b.cstart, b.ccount, scale=b.s)
+        return runtime.call(b.p, b.bwd["dh"], (like(b.hf), b.dh0_like, *(like(vf),) * extra), **ins, dht=b.dht, cstart=b.cstart,
+                            ccount=b.ccount, scale=b.s)
     trans = (lambda first, count: (piece_decays(totals, first, count), True)) if totals is not None else \
         (lambda first, count: (transition(first, count), False))
     local = lambda first, count: run(_no_states(b.dht), first, count)[-1]

@@ -53,12 +53,12 @@ def forward(c: common.Chunks):
         inv = "inv_l2" if c.l2norm else "inv"
         gates = graw if c.takes(inv, "g_scan") else G  # (summed by the kernel, or by XLA)
         if c.l2norm:  # G, beta, 1 / |q|, 1 / |k| per chunk and value head, rows that the state pass loads
-            t0, gr = runtime.call(p, targets[inv], (t0, rows(4)), qf, kf, gates, beta)
+            t0, gr = runtime.call(p, targets[inv], (t0, rows(4)), q=qf, k=kf, g=gates, beta=beta)
         else:  # G and beta
-            t0, gr = runtime.call(p, targets[inv], (t0, rows(2)), kf, gates, beta)
+            t0, gr = runtime.call(p, targets[inv], (t0, rows(2)), k=kf, g=gates, beta=beta)
         N = c.cstart.shape[0]
-        ins = (qf, kf, vf, t0, gr)
-        o, ht = common.state_pass(c, ins, name=plan.delta_state_pass_t(p, targets, c.l2norm, N, c.HV, c.V, NT // N), values_at=2)
+        ins = dict(q=qf, k=kf, v=vf, t=t0, gr=gr)
+        o, ht = common.state_pass(c, ins, name=plan.delta_state_pass_t(p, targets, c.l2norm, N, c.HV, c.V, NT // N), values="v")
         return o.reshape(c.B, c.Lr, c.HV, c.V), ht
     assert not c.l2norm or c.store_h, "the forward with no gradient normalises q and k itself only from the inverse"
     like = common.like
@@ -68,12 +68,13 @@ def forward(c: common.Chunks):
     name = plan.delta_wy(c.store_h, c.l2norm)
     if c.takes(name, "g_rows"):  # G's rows, also for the passes after it
         grows = gate_rows()
-    gates = (graw if wy_scan else common.gates_for(p, "fwd", K, name, G, C, grows), *common.steps_for(p, "fwd", K, name, C, beta))
+    gates = dict(g=graw if wy_scan else common.gates_for(p, "fwd", K, name, G, C, grows), beta=common.steps_for(p, "fwd", K, name, C, beta)[0])
     if c.l2norm:  # (`wy_t_l2`) from the raw q and k; their normalised y and 1 / |x| for the passes after it
         r = jax.ShapeDtypeStruct(qf.shape[:2], f32)
-        wy = runtime.call(p, c.targets()[name], (like(kf, dt, c.HV), like(vf), *tm, like(qf), like(kf), r, r, *sum_shapes), qf, kf, vf, *gates)
+        wy = runtime.call(p, c.targets()[name], (like(kf, dt, c.HV), like(vf), *tm, like(qf), like(kf), r, r, *sum_shapes), q=qf, k=kf, v=vf,
+                          **gates)
     else:
-        wy = runtime.call(p, c.targets()[name], (like(kf, dt, c.HV), like(vf), *tm, *sum_shapes), kf, vf, *gates)
+        wy = runtime.call(p, c.targets()[name], (like(kf, dt, c.HV), like(vf), *tm, *sum_shapes), k=kf, v=vf, **gates)
     if wy_scan:
         wy, (G, grows) = wy[:-2], wy[-2:]
     if c.l2norm:
@@ -82,12 +83,12 @@ def forward(c: common.Chunks):
     state_name = "fused_h" if c.store_h else "fused"
     if grows is None and c.store_rows:  # (XLA's transpose, for this pass and the backward's)
         grows = gate_rows()
-    ins = (qf, kf, *wy[:2], common.gates_for(p, "fwd", K, state_name, G, C, grows))
+    ins = dict(q=qf, k=kf, w=wy[0], u=wy[1], g=common.gates_for(p, "fwd", K, state_name, G, C, grows))
     rows = lambda x, per_chunk: x.reshape(c.B, (NT if per_chunk else NT * C) // c.B, *x.shape[1:])
     stored = tuple(rows(x, i == 2) for i, x in enumerate(wy)) if c.store_h else ()
     carry = plan.delta_carry_pass(c.targets())  # (storing no h, writing no o: the pieces' other passes)
-    light = (carry, (*ins[:4], common.gates_for(p, "fwd", K, carry, G, C, grows)))
-    o, v_new, *h, ht = common.state_pass(c, ins, 1, light=light, values_at=3)
+    light = (carry, dict(ins, g=common.gates_for(p, "fwd", K, carry, G, C, grows)))
+    o, v_new, *h, ht = common.state_pass(c, ins, 1, light=light, values="u")
     if stored:  # and v_new, for the backward's consumer kernel
         stored = (*stored, c.unflat(v_new))
     sums = common.stored_sums(c, G, grows)
@@ -113,7 +114,7 @@ def _norm_forward(p: Problem, q, k):
     target = plan.targets(p, "fwd", q.shape[-1], q.shape[-1])["norm"]
     rows = lambda x: x.reshape(-1, *x.shape[2:])
     like = common.like
-    (qn, rq), (kn, rk) = (runtime.call(p, target, (like(rows(x)), jax.ShapeDtypeStruct(rows(x).shape[:2], jnp.float32)), rows(x))
+    (qn, rq), (kn, rk) = (runtime.call(p, target, (like(rows(x)), jax.ShapeDtypeStruct(rows(x).shape[:2], jnp.float32)), x=rows(x))
                           for x in (q, k))
     return qn.reshape(q.shape), kn.reshape(k.shape), rq.reshape(q.shape[:3]), rk.reshape(k.shape[:3])
 
@@ -121,7 +122,7 @@ def _norm_forward(p: Problem, q, k):
 def _norm_backward(p: Problem, y, r, dy):
     """The raw x's gradient from the normalised `y [L, H, K]`, `r = 1 / |x|` `[L, H]` and the
     gradient of y."""
-    return runtime.call(p, plan.targets(p, "bwd", y.shape[-1], y.shape[-1])["norm_bwd"], common.like(y), y, r, dy)
+    return runtime.call(p, plan.targets(p, "bwd", y.shape[-1], y.shape[-1])["norm_bwd"], common.like(y), y=y, r=r, dy=dy)
 
 
 def backward(b: common.Reverse, stored, l2norm: bool):
@@ -139,15 +140,16 @@ def backward(b: common.Reverse, stored, l2norm: bool):
     like = common.like
     # (with dv_new, `du`, the gradient of v_new that its chain forms)
     gates = common.gates_for(p, "bwd", K, "dh", Gf, C, b.grows)
-    dh, dh0, du = common.reverse_pass(b, (qf, kf, wd, b.dof, gates), 1, transition=functools.partial(_piece_maps, b, qf, kf, wd, Gf))
+    dh, dh0, du = common.reverse_pass(b, dict(q=qf, k=kf, w=wd, do=b.dof, g=gates), 1, transition=functools.partial(_piece_maps, b, qf, kf, wd, Gf))
     heads = lambda x: like(x, None, HV)
     chosen = plan.delta_backward(p, K, l2norm, b.bwd)
     q_norm, k_norm, name = chosen.q_norm, chosen.k_norm, chosen.grads  # (which of dq, dk take the norms' gradient)
     if name:  # the consumer and the WY VJP in one program
         gates, betas = common.gates_for(p, "bwd", K, name, Gf, C, b.grows), common.steps_for(p, "bwd", K, name, C, beta)
-        rs = common.steps_for(p, "bwd", K, name, C, rq, rk) if name == "grads_l2" else ()
+        rs = dict(zip(("rq", "rk"), common.steps_for(p, "bwd", K, name, C, rq, rk))) if name == "grads_l2" else {}
         outs = (heads(qf), heads(kf), like(vf), like(Gf), like(Gf))
-        dq, dk, dv, dG, dbeta = runtime.call(p, b.bwd[name], outs, qf, kf, vf, vn, gates, *betas, Tm, b.hf, b.dof, dh, du, *rs, scale=b.s)
+        dq, dk, dv, dG, dbeta = runtime.call(p, b.bwd[name], outs, q=qf, k=kf, v=vf, vn=vn, g=gates, beta=betas[0], t=Tm, h=b.hf, do=b.dof,
+                                             dh=dh, du=du, **rs, scale=b.s)
         dq, dk = group_sum(dq), group_sum(dk)
         dg = common.in_chunk_cumsum(p, dG, C, reverse=True)  # G's gradient -> the gates' per step
     else:
@@ -173,7 +175,8 @@ def _piece_maps(b: common.Reverse, qf, kf, wd, Gf, first, count):
     gates = common.gates_for(p, "fwd", K, carry, Gf, C, b.grows)
     token = common.like(zero)
     ends = jax.ShapeDtypeStruct(eye.shape, jnp.float32)
-    return runtime.call(p, targets[carry], (token, token, ends), qf, kf, wd, zero, gates, eye, first, count, scale=b.s)[-1]
+    return runtime.call(p, targets[carry], (token, token, ends), q=qf, k=kf, w=wd, u=zero, g=gates, h0=eye, cstart=first, ccount=count,
+                        scale=b.s)[-1]
 
 
 def _two_programs(b: common.Reverse, chosen: plan.DeltaBackward, qf, kf, vf, Gf, beta, wd, ud, Tm, vn, dh, du, rq, rk, group_sum):
@@ -190,7 +193,8 @@ def _two_programs(b: common.Reverse, chosen: plan.DeltaBackward, qf, kf, vf, Gf,
     if fused:  # one chunk's forward is simple GLA's on v_new: its consumer kernel, less dv (du)
         name, rqs = ("dqkvg_l2", (rq,)) if q_norm else ("dqkvg", ())
         rqs, gates = common.steps_for(p, "bwd", K, name, C, *rqs), common.gates_for(p, "bwd", K, name, Gf, C, grows)
-        dq, dkv, dG = common.consumer(p, bwd[name], (heads(qf), heads(kf), like(Gf)), qf, kf, vn, gates, hf, dof, dh, *rqs, scale=b.s)
+        dq, dkv, dG = common.consumer(p, bwd[name], (heads(qf), heads(kf), like(Gf)), q=qf, k=kf, v=vn, g=gates, h=hf, do=dof, dh=dh,
+                                      **dict(zip(("rq",), rqs)), scale=b.s)
         dq, dk = group_sum(dq), 0.0  # dk per value head (dkv) goes on to the WY VJP
     else:
         _, local_vjp = jax.vjp(lambda *a: chunk_local(p, C, b.scale, *a), f32(qf), f32(kf), f32(wd), f32(ud), Gf, hf)
@@ -202,9 +206,10 @@ def _two_programs(b: common.Reverse, chosen: plan.DeltaBackward, qf, kf, vf, Gf,
         name, rks = ("wy_bwd_l2", (rk,)) if k_norm else ("wy_bwd", ())
         summed = plan.program_config(p, "bwd", K, name).get("dg_sum", False)  # (then it takes the consumer's dG, and adds it)
         # G, beta (and r) as it takes them (G's rows as the forward kept them)
-        sums = (common.gates_for(p, "bwd", K, name, Gf, C, grows), *common.steps_for(p, "bwd", K, name, C, beta))
-        rks = common.steps_for(p, "bwd", K, name, C, *rks)
-        dk2, dv, dG2, dbeta = runtime.call(p, bwd[name], outs, kf, vf, *sums, Tm, hf, du.astype(kf.dtype), dkv, *((dG,) if summed else ()), *rks)
+        sums = dict(g=common.gates_for(p, "bwd", K, name, Gf, C, grows), beta=common.steps_for(p, "bwd", K, name, C, beta)[0])
+        rks = dict(zip(("rk",), common.steps_for(p, "bwd", K, name, C, *rks)))
+        dk2, dv, dG2, dbeta = runtime.call(p, bwd[name], outs, k=kf, v=vf, **sums, t=Tm, h=hf, du=du.astype(kf.dtype), dk0=dkv,
+                                           **({"dg0": dG} if summed else {}), **rks)
         dk2 = group_sum(dk2)
     else:
         if fused:  # the XLA WY VJP takes dw = -du h^T

@@ -23,10 +23,10 @@ def forward(c: common.Chunks):
     qf, kf, vf, Gf = c.flat
     like = common.like
     a, G, qg, kg = runtime.call(c.p, c.targets()["a"], (jax.ShapeDtypeStruct((c.NT, c.HV, c.C, c.C), qf.dtype), like(Gf), like(qf), like(kf)),
-                                qf, kf, Gf, scale=c.scale_f32)
+                                q=qf, k=kf, g=Gf, scale=c.scale_f32)
     stored = (a.reshape(c.B, c.NT // c.B, *a.shape[1:]), G.reshape(c.B, c.Lr, *G.shape[1:]), qg.reshape(c.B, c.Lr, *qg.shape[1:])) \
         if c.store_h else ()
-    ins = (qg, kg, vf, G, a)
+    ins = dict(qg=qg, kg=kg, v=vf, g=G, a=a)
     o, *h, ht = common.state_pass(c, ins, light=("fused", ins) if c.store_h else None, totals=simple_gla.chunk_sums(G, c.C))
     return (c.unflat(o), *h, *stored, ht)
 
@@ -34,4 +34,4 @@ def forward(c: common.Chunks):
 def backward(b: common.Reverse, stored):
     """As simple GLA's, from the stored A, G and q exp(G)."""
     a, G, qg = stored
-    return simple_gla.backward(b, G=G, q=qg, stored=(a,))
+    return simple_gla.backward(b, G=G, q=qg, stored={"a": a})

@@ -80,9 +80,14 @@ def stores_gate_rows(p: Problem, K: int) -> bool:
     return p.op != "gla" and all(program_config(p, d, K, name).get("g_rows", False) for d, name in (("fwd", "fused_h"), ("bwd", "dh")))
 
 
-def forward_split_pieces(cfg: config.Config, B: int, H: int, V: int, nt: int) -> int:
+def forward_split_pieces(p: Problem, *, gradient: bool, varlen: bool, B: int, H: int, V: int, nt: int) -> int:
     """Simple GLA's forward with no gradient on dense input (`simple_gla.split_forward`): in how many pieces its
-    state pass walks each of B sequences of nt chunks (`Config.split_programs`), a power of two dividing nt."""
+    state pass walks each of B sequences of nt chunks (`Config.split_programs`), a power of two dividing nt. 1
+    (no split) for the other ops, under a gradient (the backward takes h from one pass: the state passes' own
+    pieces serve it, `pieces`) and with varlen tables (sequences of unequal length)."""
+    if p.op != "simple_gla" or gradient or varlen:
+        return 1
+    cfg = config.of(p)
     programs, pieces = state_programs(B, H, V), 1
     while programs * pieces * 2 <= cfg.split_programs and nt % (pieces * 2) == 0 and nt // (pieces * 2) >= cfg.split_min_chunks:
         pieces *= 2
@@ -178,8 +183,7 @@ def plan(p: Problem, *, K: int, V: int, N: int, HV: int, nt: int, l2norm: bool, 
     HV value heads, at the square programs' head dims K = V (after `fla_jax._tiling`)."""
     del V  # (variants have K = V)
     fwd, bwd = targets(p, "fwd", K, K), targets(p, "bwd", K, K)
-    cfg = config.of(p)
-    P_split = forward_split_pieces(cfg, N, HV, K, nt) if p.op == "simple_gla" and not varlen else 1
+    P_split = forward_split_pieces(p, gradient=False, varlen=varlen, B=N, H=HV, V=K, nt=nt)
     P_step = pieces(p, N, HV, K, nt)
     P_fwd = P_split if P_split > 1 else P_step
     if p.delta:

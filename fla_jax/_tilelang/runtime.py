@@ -1,9 +1,12 @@
-"""The built extension (`fla_jax._ext`): loading it, registering its FFI targets with XLA, calling one
-program, and whether the kernels can run here."""
+"""The built extension (`fla_jax._ext`): loading it, registering its FFI targets with XLA, each program's
+interface as the build recorded it, calling one program by the names of its parameters, and whether the
+kernels can run here."""
 
 from __future__ import annotations
 
 import functools
+import json
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,20 +38,88 @@ def registered() -> list[str]:
     return [] if _ext is None else sorted(n for n in _ext.registrations() if not n.endswith("_aliased"))
 
 
-def call(p: Problem, target: str, results, *args, init=None, **attrs):
-    """`ffi_call` of one kernel program of call `p`; with its `Config.poison_outputs` its outputs start as NaN.
-    `init`: the outputs' contents before the call, for a program that updates them in place (never poisoned)."""
+class Param(NamedTuple):
+    """One buffer of a program: its name, dtype and shape (an entry an int, or a symbol such as "L" that the
+    program reads off the buffer, equal wherever it appears)."""
+
+    name: str
+    dtype: str
+    shape: tuple
+
+
+class Interface(NamedTuple):
+    """A program's parameters as the build recorded them from its prim_func (build.py `interface`): inputs and
+    outputs in the order the FFI handler takes them, and the scalar attributes by name."""
+
+    inputs: tuple[Param, ...]
+    outputs: tuple[Param, ...]
+    attrs: tuple[str, ...]
+
+    def check(self, target: str, results, named: dict) -> None:
+        """Refuses, at trace time and naming the program and the argument, a call whose named arguments are not
+        the program's inputs and attributes, or whose buffers (inputs and `results`) do not fit its declared
+        dtypes and shapes (the FFI handler would refuse them on the GPU, and the emulated tests would not)."""
+        want = [q.name for q in self.inputs] + list(self.attrs)
+        if sorted(named) != sorted(want):
+            raise TypeError(f"{target} takes {want}; the call gave {sorted(named)} (missing "
+                            f"{sorted(set(want) - set(named))}, unknown {sorted(set(named) - set(want))})")
+        if len(results) != len(self.outputs):
+            raise TypeError(f"{target} writes {[q.name for q in self.outputs]}; the call asked for {len(results)} results")
+        bound: dict[str, int] = {}
+        for q, x in [*((q, named[q.name]) for q in self.inputs), *zip(self.outputs, results)]:
+            if jnp.dtype(x.dtype) != jnp.dtype(q.dtype) or len(x.shape) != len(q.shape):
+                raise TypeError(f"{target}: `{q.name}` must be {q.dtype} of shape {q.shape}, got {x.dtype} {tuple(x.shape)}")
+            for d, (want_d, got) in enumerate(zip(q.shape, x.shape)):
+                if isinstance(want_d, str):
+                    want_d = bound.setdefault(want_d, got)
+                if got != want_d:
+                    raise ValueError(f"{target}: `{q.name}` dim {d} must be {q.shape[d]} = {want_d}, got {got} "
+                                     f"(shape {tuple(x.shape)})")
+
+
+@functools.cache
+def interfaces() -> dict[str, Interface]:
+    """Each built program's `Interface`, by FFI target (none where the extension is not built)."""
+    if _ext is None:
+        return {}
+    if not hasattr(_ext, "interfaces"):  # (built before the extension carried them)
+        raise RuntimeError("fla_jax._ext predates the programs' interfaces: rebuild it with `python build.py`")
+    param = lambda q: Param(q[0], q[1], tuple(q[2]))
+    return {t: Interface(tuple(map(param, d["inputs"])), tuple(map(param, d["outputs"])), tuple(a[0] for a in d["attrs"]))
+            for t, d in json.loads(_ext.interfaces()).items()}
+
+
+def call(p: Problem, target: str, results, *, init=None, **named):
+    """`ffi_call` of program `target` for call `p`: its inputs and attributes by the names its prim_func gives them
+    (`interfaces`), checked against it; with `Config.poison_outputs` its outputs start as NaN. `results`: the
+    outputs' shapes, in its order. `init`: the outputs' contents before the call, for a program that updates them
+    in place (never poisoned)."""
     single = not isinstance(results, tuple)
     results = (results,) if single else results
+    interface = interfaces().get(target)
+    if interface is not None:  # (an experiment this install did not build has none: only the emulator runs it)
+        interface.check(target, results, named)
+    out = launch(p, target, results, named, init)
+    return out[0] if single else tuple(out)
+
+
+def launch(p: Problem, target: str, results: tuple, named: dict, init):
+    """Runs the program on the GPU: its inputs in its order (the CPU tests put `kernel_emulator.launch` here)."""
+    interface = interfaces().get(target)
+    if interface is None:  # an experiment this install did not build (`build.py --experiments`): the call lowers (the
+        # CPU tests read such a step's custom calls) in the order given, and XLA refuses it as unregistered on a GPU
+        attrs = {a: x for a, x in named.items() if a == "scale"}
+        args = [x for a, x in named.items() if a not in attrs]
+    else:
+        args = [named[q.name] for q in interface.inputs]
+        attrs = {a: named[a] for a in interface.attrs}
     if config.of(p).poison_outputs or init is not None:
         init = init or [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
         aliases = {len(args) + i: i for i in range(len(results))}
-        out = jax.ffi.ffi_call(f"{target}_aliased", results, vmap_method="sequential", input_output_aliases=aliases)(
+        return jax.ffi.ffi_call(f"{target}_aliased", results, vmap_method="sequential", input_output_aliases=aliases)(
             *args, *init, **attrs
         )
-    else:
-        out = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
-    return out[0] if single else tuple(out)
+    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fla_jax import _pieces
-from fla_jax._tilelang import common, config, plan, runtime
+from fla_jax._tilelang import common, plan, runtime
 
 # The token arrays (q, k, v, the gates per step) and what the forward stores for the backward besides h
 # and G, with the axis letters of `fla_jax._partition`.
@@ -32,13 +32,13 @@ def forward(c: common.Chunks):
     scan = not c.store_h and c.takes(name, "g_scan")  # (the pass sums the gates per step itself)
     if c.store_rows:  # (for this pass and the backward's)
         grows = gate_rows()
-    ins = (qf, kf, vf, graw if scan else common.gates_for(c.p, "fwd", c.K, name, G, c.C, grows))
-    pieces = 1 if c.store_h or c.tables else plan.forward_split_pieces(config.of(c.p), c.B, c.HV, c.V, c.NT // c.B)
+    ins = dict(q=qf, k=kf, v=vf, g=graw if scan else common.gates_for(c.p, "fwd", c.K, name, G, c.C, grows))
+    pieces = plan.forward_split_pieces(c.p, gradient=c.store_h, varlen=bool(c.tables), B=c.B, H=c.HV, V=c.V, nt=c.NT // c.B)
     if pieces > 1:
         return split_forward(c.p, pieces, c.scale, c.targets(), ins, c.h0, gate_rows(), c.B, c.C)
     light = None
     if c.store_h:  # (the pieces' other passes, where it walks them: `fused`, storing no h)
-        light = ("fused", (qf, kf, vf, graw if c.takes("fused", "g_scan") else common.gates_for(c.p, "fwd", c.K, "fused", G, c.C, grows)))
+        light = ("fused", dict(ins, g=graw if c.takes("fused", "g_scan") else common.gates_for(c.p, "fwd", c.K, "fused", G, c.C, grows)))
     o, *h, ht = common.state_pass(c, ins, light=light, totals=chunk_sums(G, c.C))
     sums = common.stored_sums(c, G, grows)
     return (c.unflat(o), *h, *sums, ht)
@@ -53,11 +53,11 @@ def split_forward(p: Problem, pieces: int, scale: float, targets: dict, ins, h0,
     """Simple GLA's `(o, ht)` (dense, no gradient) with each sequence's chunks walked in `pieces`
     pieces at once by the state pass (`fused`, as `pieces * B` sequences, the first piece from h0,
     the others from zero states); then `enter` adds what the states entering the later pieces
-    contribute to their output. `ins`: the pass's token inputs (q, k, v and the gates as it takes
+    contribute to their output. `ins`: the pass's token inputs by name (q, k, v and the gates as it takes
     them), `h0` with no rows where there is none, `rows` the in-chunk sums as per-chunk rows `[NT, H, C]`."""
-    q = ins[0]
+    q = ins["q"]
     L, H, K = q.shape
-    V = ins[2].shape[-1]
+    V = ins["v"].shape[-1]
     nt = L // (B * C)
     m = nt // pieces  # chunks a piece
     ar = lambda n: jnp.arange(n, dtype=jnp.int32)  # (iota, not constants: custom partitioning takes none)
@@ -65,20 +65,23 @@ def split_forward(p: Problem, pieces: int, scale: float, targets: dict, ins, h0,
     h0s = h0 if not h0.shape[0] else jnp.zeros((B, pieces, *h0.shape[1:]), jnp.float32).at[:, 0].set(h0).reshape(-1, *h0.shape[1:])
     s = np.float32(scale)
     o, ht = runtime.call(p, targets["fused"], (jax.ShapeDtypeStruct((L, H, V), q.dtype), jax.ShapeDtypeStruct((B * pieces, H, K, V), jnp.float32)),
-                  *ins, h0s, first, jnp.full_like(first, m), scale=s)
+                         **ins, h0=h0s, cstart=first, ccount=jnp.full_like(first, m), scale=s)
     chunk = rows[:, :, -1].reshape(B, pieces, m, H)  # a chunk's whole decay
     # the state entering each piece (piece 0's, h0, is in its o and ht already)
     enter, S = _pieces.fold(jnp.exp(chunk.sum(2)), ht.reshape(B, pieces, H, K, V), None, diag=True)
     enter = enter[:, 1:].reshape(-1, H, K, V).astype(q.dtype)  # [B (P - 1), H, K, V], as the pass takes S
     d = (jnp.cumsum(chunk[:, 1:], axis=2) - chunk[:, 1:]).reshape(-1, m, H)  # decay of the piece's chunks before
-    o = runtime.call(p, targets["enter"], common.like(o), q, rows, d, enter, first.reshape(B, pieces)[:, 1:].reshape(-1), scale=s, init=(o,))
+    o = runtime.call(p, targets["enter"], common.like(o), q=q, g=rows, d=d, s=enter, first=first.reshape(B, pieces)[:, 1:].reshape(-1),
+                     scale=s, init=(o,))
     return o.reshape(B, nt * C, H, V), S
 
 
-def backward(b: common.Reverse, G=None, q=None, stored=()):
+def backward(b: common.Reverse, G=None, q=None, stored=None):
     """The gradients of q, k, v, the gates per step (and h0 where the call has one) from the reverse pass and
     the consumer. GLA's backward is this one with its own stored `G` (per channel), `q` (q exp(G), for the
-    reverse pass) and `stored` (A); simple GLA's G comes in the tokens, its gradient summed back to the steps."""
+    reverse pass) and `stored` (A, by the consumer's name for it); simple GLA's G comes in the tokens, its gradient
+    summed back to the steps."""
+    stored = stored or {}
     p, C, K = b.p, b.C, b.K
     qf, kf, vf, Gf = b.flat[:4]
     gla = G is not None
@@ -87,12 +90,13 @@ def backward(b: common.Reverse, G=None, q=None, stored=()):
     else:
         qd = qf
     gates = Gf if gla else common.gates_for(p, "bwd", K, "dh", Gf, C, b.grows)  # (as the reverse pass takes them)
-    dh, dh0 = common.reverse_pass(b, (qd, b.dof, gates), totals=chunk_sums(Gf, C))
-    a = tuple(x.reshape(-1, *x.shape[2:]) for x in stored)
+    dh, dh0 = common.reverse_pass(b, dict(q=qd, do=b.dof, g=gates), totals=chunk_sums(Gf, C))
+    a = {n: x.reshape(-1, *x.shape[2:]) for n, x in stored.items()}
     if not gla:  # (G as the consumer takes it)
         gates = common.gates_for(p, "bwd", K, "dqkvg", Gf, C, b.grows)
     like = common.like
-    grads = common.consumer(p, b.bwd["dqkvg"], (like(qf), like(kf), like(vf), like(Gf)), qf, kf, vf, gates, *a, b.hf, b.dof, dh, scale=b.s)
+    grads = common.consumer(p, b.bwd["dqkvg"], (like(qf), like(kf), like(vf), like(Gf)), q=qf, k=kf, v=vf, g=gates, **a, h=b.hf,
+                            do=b.dof, dh=dh, scale=b.s)
     if not gla:  # G's gradient -> the gates' per step
         grads = (*grads[:3], common.in_chunk_cumsum(p, grads[3], C, reverse=True))
     return (*(b.rows(g, g.dtype) for g in grads), *((dh0,) if b.has_h0 else ()))

@@ -18,53 +18,20 @@ chunk `h [NT, HV, K, V]` stored by the forward (`store_h`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import delta_loads, final_state, initial_state, stage_loads
+from kernels.common import delta_loads, final_state, initial_state, program, stage_loads
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_du: bool, dims, g_rows: bool = False):
     """The prim_func of a reverse pass `body` (a macro of the inputs and outputs), with `du` among
-    its outputs under `store_du` (TileLang varies a parameter list so)."""
+    its outputs under `store_du`: the interface of every reverse pass of the delta rules, declared once."""
     L, H, HV, N, NT, ND, N0 = dims
     acc = "float32"
     gshape = (NT, HV, 64) if g_rows else (L, HV)  # (G as per-chunk rows, BT = 64)
-    if store_du:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            dht: T.Tensor((ND, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            dh0: T.Tensor((N0, HV, K, V), acc),
-            du: T.Tensor((L, HV, V), dtype),
-        ):
-            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, du)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            dht: T.Tensor((ND, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            dh0: T.Tensor((N0, HV, K, V), acc),
-        ):
-            body(q, k, w, do, g, dht, cstart, ccount, scale, dh, dh0, None)
-
-    return main
+    return program(body, q=T.Tensor((L, H, K), dtype), k=T.Tensor((L, H, K), dtype), w=T.Tensor((L, HV, K), dtype),
+                   do=T.Tensor((L, HV, V), dtype), g=T.Tensor(gshape, acc), dht=T.Tensor((ND, HV, K, V), acc),
+                   cstart=T.Tensor((N,), "int32"), ccount=T.Tensor((N,), "int32"), scale=T.float32,
+                   dh=T.Tensor((NT, HV, K, V), dtype), dh0=T.Tensor((N0, HV, K, V), acc),
+                   du=T.Tensor((L, HV, V), dtype) if store_du else None)
 
 
 def chunk_delta_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,

@@ -25,58 +25,24 @@ from kernels.common import (
     initial_state,
     output_chunk,
     output_from_p,
+    program,
     stage_loads,
 )
 
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows: bool = False):
     """The prim_func of a state pass `body` (a macro of the inputs and outputs), with the stored
-    states `h` among its outputs under `store_h` (TileLang varies a parameter list so); `g_rows`:
+    states `h` among its outputs under `store_h` (one declaration for every such pass); `g_rows`:
     G as per-chunk rows `[NT, HV, BT]`."""
     L, H, HV, N, NT = dims
     N0 = T.dynamic("N0")  # (the initial states' rows: none where the call has none, `initial_state`)
     acc = "float32"
     gshape = (NT, HV, 64) if g_rows else (L, HV)  # (G as per-chunk rows, BT = 64)
-    if store_h:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            h0: T.Tensor((N0, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, HV, V), dtype),
-            vnew: T.Tensor((L, HV, V), dtype),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            ht: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            h0: T.Tensor((N0, HV, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, HV, V), dtype),
-            vnew: T.Tensor((L, HV, V), dtype),
-            ht: T.Tensor((N, HV, K, V), acc),
-        ):
-            body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, None)
-
-    return main
+    return program(body, q=T.Tensor((L, H, K), dtype), k=T.Tensor((L, H, K), dtype), w=T.Tensor((L, HV, K), dtype),
+                   u=T.Tensor((L, HV, V), dtype), g=T.Tensor(gshape, acc), h0=T.Tensor((N0, HV, K, V), acc),
+                   cstart=T.Tensor((N,), "int32"), ccount=T.Tensor((N,), "int32"), scale=T.float32,
+                   o=T.Tensor((L, HV, V), dtype), vnew=T.Tensor((L, HV, V), dtype),
+                   h=T.Tensor((NT, HV, K, V), dtype) if store_h else None, ht=T.Tensor((N, HV, K, V), acc))
 
 
 def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,

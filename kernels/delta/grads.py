@@ -10,6 +10,7 @@ rows `[NT, heads, BT]`; T float32 as the training forward stores it; q/k head `j
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from kernels.common import program
 from kernels.delta.wy import _hi_lo
 
 
@@ -330,55 +331,12 @@ def chunk_delta_bwd_grads(*, K: int, V: int, dtype: str, BT: int = 64, l2norm: b
                 T.tma_copy(v_s, dv[t0 : t0 + BT, ihv, 0:V])
                 T.tma_store_wait()
 
-    if l2norm:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            vn: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((NT, HV, BT), acc),
-            beta: T.Tensor((NT, HV, BT), acc),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            du: T.Tensor((L, HV, V), dtype),
-            rq: T.Tensor((NT, H, BT), acc),
-            rk: T.Tensor((NT, H, BT), acc),
-            scale: T.float32,
-            dq: T.Tensor((L, HV, K), dtype),
-            dk: T.Tensor((L, HV, K), dtype),
-            dv: T.Tensor((L, HV, V), dtype),
-            dg: T.Tensor((L, HV), acc),
-            dbeta: T.Tensor((L, HV), acc),
-        ):
-            body(q, k, v, vn, g, beta, t, h, do, dh, du, rq, rk, scale, dq, dk, dv, dg, dbeta)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            vn: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((NT, HV, BT), acc),
-            beta: T.Tensor((NT, HV, BT), acc),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            do: T.Tensor((L, HV, V), dtype),
-            dh: T.Tensor((NT, HV, K, V), dtype),
-            du: T.Tensor((L, HV, V), dtype),
-            scale: T.float32,
-            dq: T.Tensor((L, HV, K), dtype),
-            dk: T.Tensor((L, HV, K), dtype),
-            dv: T.Tensor((L, HV, V), dtype),
-            dg: T.Tensor((L, HV), acc),
-            dbeta: T.Tensor((L, HV), acc),
-        ):
-            body(q, k, v, vn, g, beta, t, h, do, dh, du, None, None, scale, dq, dk, dv, dg, dbeta)
-
+    rows = lambda: T.Tensor((NT, H, BT), acc) if l2norm else None  # 1 / |q|, 1 / |k| as per-chunk rows
+    main = program(body, q=T.Tensor((L, H, K), dtype), k=T.Tensor((L, H, K), dtype), v=T.Tensor((L, HV, V), dtype),
+                   vn=T.Tensor((L, HV, V), dtype), g=T.Tensor((NT, HV, BT), acc), beta=T.Tensor((NT, HV, BT), acc),
+                   t=T.Tensor((NT, HV, BT, BT), acc), h=T.Tensor((NT, HV, K, V), dtype), do=T.Tensor((L, HV, V), dtype),
+                   dh=T.Tensor((NT, HV, K, V), dtype), du=T.Tensor((L, HV, V), dtype), rq=rows(), rk=rows(),
+                   scale=T.float32, dq=T.Tensor((L, HV, K), dtype), dk=T.Tensor((L, HV, K), dtype),
+                   dv=T.Tensor((L, HV, V), dtype), dg=T.Tensor((L, HV), acc), dbeta=T.Tensor((L, HV), acc))
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return main.with_attr("fla.disable_shared_memory_reuse", 1)

@@ -18,7 +18,7 @@ give `T = I`, `w = u = 0`).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once, scan_fetch, scan_store
+from kernels.common import arrive_once, program, scan_fetch, scan_store
 
 
 def _hi_lo(BT: int, dtype: str, *, scaled: bool):
@@ -450,131 +450,29 @@ def chunk_delta_wy(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | N
                 if store_t:  # last, so that waiting for the store holds up nothing else
                     T.copy(m_s[0:BT, 0:BT], t[ic, ihv, 0:BT, 0:BT], disable_tma=not tma_t)
 
-    if inverse_only and l2norm:
+    @T.macro
+    def entry(q, k, v, g, beta, w, u, t, gr, yq, yk, rq, rk, gs, grows):  # (body's q is `qx`: its loops take `q`)
+        body(k, v, g, beta, w, u, t, q, gr, yq, yk, rq, rk, gs, grows)
 
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
-            t: T.Tensor((NT, HV, BT, BT), dtype),
-            gr: T.Tensor((NT, HV, 4, BT), acc),
-        ):
-            body(k, None, g, beta, None, None, t, q, gr)
-
-        return main
-
-    if inverse_only and gate_rows:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
-            t: T.Tensor((NT, HV, BT, BT), dtype),
-            gr: T.Tensor((NT, HV, 2, BT), acc),
-        ):
-            body(k, None, g, beta, None, None, t, None, gr)
-
-        return main
-
-    if inverse_only:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            beta: T.Tensor((L, HV), acc),
-            t: T.Tensor((NT, HV, BT, BT), dtype),
-        ):
-            body(k, None, None, beta, None, None, t)
-
-        return main
-
-    if normalise and g_scan:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            yq: T.Tensor((L, H, K), dtype),
-            yk: T.Tensor((L, H, K), dtype),
-            rq: T.Tensor((L, H), acc),
-            rk: T.Tensor((L, H), acc),
-            gs: T.Tensor((L, HV), acc),
-            grows: T.Tensor((NT, HV, BT), acc),
-        ):
-            body(k, v, g, beta, w, u, t, q, None, yq, yk, rq, rk, gs, grows)
-
-    elif normalise:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            beta: T.Tensor(gshape, acc),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            yq: T.Tensor((L, H, K), dtype),
-            yk: T.Tensor((L, H, K), dtype),
-            rq: T.Tensor((L, H), acc),
-            rk: T.Tensor((L, H), acc),
-        ):
-            body(k, v, g, beta, w, u, t, q, None, yq, yk, rq, rk)
-
-    elif store_t and g_scan:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor((L, HV), acc),
-            beta: T.Tensor((L, HV), acc),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            gs: T.Tensor((L, HV), acc),
-            grows: T.Tensor((NT, HV, BT), acc),
-        ):
-            body(k, v, g, beta, w, u, t, None, None, None, None, None, None, gs, grows)
-
-    elif store_t:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            beta: T.Tensor(gshape, acc),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-        ):
-            body(k, v, g, beta, w, u, t)
-
-    else:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            beta: T.Tensor(gshape, acc),
-            w: T.Tensor((L, HV, K), dtype),
-            u: T.Tensor((L, HV, V), dtype),
-        ):
-            body(k, v, g, beta, w, u, None)
-
-    return main
+    stats = lambda: T.Tensor((L, HV), acc)  # G and beta as the inverse and the kernels summing the gates take them
+    return program(
+        entry,
+        q=T.Tensor((L, H, K), dtype) if l2norm else None,
+        k=T.Tensor((L, H, K), dtype),
+        v=None if inverse_only else T.Tensor((L, HV, V), dtype),
+        g=None if inverse_only and not (l2norm or gate_rows) else stats() if inverse_only or g_scan else T.Tensor(gshape, acc),
+        beta=stats() if inverse_only or g_scan else T.Tensor(gshape, acc),
+        w=None if inverse_only else T.Tensor((L, HV, K), dtype),
+        u=None if inverse_only else T.Tensor((L, HV, V), dtype),
+        t=T.Tensor((NT, HV, BT, BT), dtype) if inverse_only else T.Tensor((NT, HV, BT, BT), acc) if store_t else None,
+        gr=T.Tensor((NT, HV, 4 if l2norm else 2, BT), acc) if inverse_only and (l2norm or gate_rows) else None,
+        yq=T.Tensor((L, H, K), dtype) if normalise else None,
+        yk=T.Tensor((L, H, K), dtype) if normalise else None,
+        rq=T.Tensor((L, H), acc) if normalise else None,
+        rk=T.Tensor((L, H), acc) if normalise else None,
+        gs=T.Tensor((L, HV), acc) if g_scan and not inverse_only else None,
+        grows=T.Tensor((NT, HV, BT), acc) if g_scan and not inverse_only else None,
+    )
 
 
 def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int | None = None, BVH: int = 64,
@@ -846,84 +744,9 @@ def chunk_delta_wy_bwd(*, K: int, V: int, dtype: str, BT: int = 64, threads: int
                 for a in T.Parallel(BT):
                     dg[t0 + a, ihv] = d0_s[a]
 
-    if l2norm and dg_sum:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            beta: T.Tensor(gshape, acc),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            du: T.Tensor((L, HV, V), dtype),
-            dk0: T.Tensor((L, HV, K), dtype),
-            dg0: T.Tensor((L, HV), acc),
-            rk: T.Tensor(rshape, acc),
-            dk: T.Tensor((L, HV, K), dtype),
-            dv: T.Tensor((L, HV, V), dtype),
-            dg: T.Tensor((L, HV), acc),
-            dbeta: T.Tensor((L, HV), acc),
-        ):
-            body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta, dg0)
-
-    elif dg_sum:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            beta: T.Tensor(gshape, acc),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            du: T.Tensor((L, HV, V), dtype),
-            dk0: T.Tensor((L, HV, K), dtype),
-            dg0: T.Tensor((L, HV), acc),
-            dk: T.Tensor((L, HV, K), dtype),
-            dv: T.Tensor((L, HV, V), dtype),
-            dg: T.Tensor((L, HV), acc),
-            dbeta: T.Tensor((L, HV), acc),
-        ):
-            body(k, v, g, beta, t, h, du, dk0, None, dk, dv, dg, dbeta, dg0)
-
-    elif l2norm:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            beta: T.Tensor(gshape, acc),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            du: T.Tensor((L, HV, V), dtype),
-            dk0: T.Tensor((L, HV, K), dtype),
-            rk: T.Tensor(rshape, acc),
-            dk: T.Tensor((L, HV, K), dtype),
-            dv: T.Tensor((L, HV, V), dtype),
-            dg: T.Tensor((L, HV), acc),
-            dbeta: T.Tensor((L, HV), acc),
-        ):
-            body(k, v, g, beta, t, h, du, dk0, rk, dk, dv, dg, dbeta)
-
-    else:
-
-        @T.prim_func
-        def main(
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, HV, V), dtype),
-            g: T.Tensor(gshape, acc),
-            beta: T.Tensor(gshape, acc),
-            t: T.Tensor((NT, HV, BT, BT), acc),
-            h: T.Tensor((NT, HV, K, V), dtype),
-            du: T.Tensor((L, HV, V), dtype),
-            dk0: T.Tensor((L, HV, K), dtype),
-            dk: T.Tensor((L, HV, K), dtype),
-            dv: T.Tensor((L, HV, V), dtype),
-            dg: T.Tensor((L, HV), acc),
-            dbeta: T.Tensor((L, HV), acc),
-        ):
-            body(k, v, g, beta, t, h, du, dk0, None, dk, dv, dg, dbeta)
-
-    return main
+    return program(body, k=T.Tensor((L, H, K), dtype), v=T.Tensor((L, HV, V), dtype), g=T.Tensor(gshape, acc),
+                   beta=T.Tensor(gshape, acc), t=T.Tensor((NT, HV, BT, BT), acc), h=T.Tensor((NT, HV, K, V), dtype),
+                   du=T.Tensor((L, HV, V), dtype), dk0=T.Tensor((L, HV, K), dtype),
+                   dg0=T.Tensor((L, HV), acc) if dg_sum else None, rk=T.Tensor(rshape, acc) if l2norm else None,
+                   dk=T.Tensor((L, HV, K), dtype), dv=T.Tensor((L, HV, V), dtype), dg=T.Tensor((L, HV), acc),
+                   dbeta=T.Tensor((L, HV), acc))

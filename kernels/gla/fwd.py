@@ -25,7 +25,7 @@ as `g` (every `G` is <= 0 and decreasing within a chunk).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once, initial_state, publish_state, stage_loads
+from kernels.common import arrive_once, initial_state, program, publish_state, stage_loads
 
 NS = 16  # sub-chunk rows
 
@@ -303,42 +303,10 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
                     T.copy(acc_o, o_s)
                     T.copy(o_s, o[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV])
 
-    if store_h:
-
-        @T.prim_func
-        def main(
-            qg: T.Tensor((L, H, K), dtype),
-            kg: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor((L, H, K), acc),
-            a: T.Tensor((NT, H, BT, BT), dtype),
-            h0: T.Tensor((N0, H, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, H, V), dtype),
-            h: T.Tensor((NT, H, K, V), dtype),
-            ht: T.Tensor((N, H, K, V), acc),
-        ):
-            body(qg, kg, v, g, a, h0, cstart, ccount, scale, o, ht, h)
-
-    else:
-
-        @T.prim_func
-        def main(
-            qg: T.Tensor((L, H, K), dtype),
-            kg: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor((L, H, K), acc),
-            a: T.Tensor((NT, H, BT, BT), dtype),
-            h0: T.Tensor((N0, H, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, H, V), dtype),
-            ht: T.Tensor((N, H, K, V), acc),
-        ):
-            body(qg, kg, v, g, a, h0, cstart, ccount, scale, o, ht, None)
-
+    main = program(body, qg=T.Tensor((L, H, K), dtype), kg=T.Tensor((L, H, K), dtype), v=T.Tensor((L, H, V), dtype),
+                   g=T.Tensor((L, H, K), acc), a=T.Tensor((NT, H, BT, BT), dtype), h0=T.Tensor((N0, H, K, V), acc),
+                   cstart=T.Tensor((N,), "int32"), ccount=T.Tensor((N,), "int32"), scale=T.float32,
+                   o=T.Tensor((L, H, V), dtype), h=T.Tensor((NT, H, K, V), dtype) if store_h else None,
+                   ht=T.Tensor((N, H, K, V), acc))
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
     return main.with_attr("fla.disable_shared_memory_reuse", 1)

@@ -27,6 +27,7 @@ from kernels.common import (
     final_state,
     gate_load,
     initial_state,
+    program,
     stage_loads,
 )
 
@@ -350,93 +351,22 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
         else:
             T.copy(dg_s, dg[it * BT : (it + 1) * BT, ihv], disable_tma=True)
 
-    if no_dv and l2norm:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, heads, V), dtype),
-            g: T.Tensor(gshape, acc),
-            h: T.Tensor((NT, heads, K, V), dtype),
-            do: T.Tensor((L, heads, V), dtype),
-            dh: T.Tensor((NT, heads, K, V), dtype),
-            rq: T.Tensor(rshape, acc),
-            scale: T.float32,
-            dq: T.Tensor((L, heads, K), dtype),
-            dk: T.Tensor((L, heads, K), dtype),
-            dg: T.Tensor((L, heads), acc),
-        ):
-            with T.Kernel(NT, heads, threads=threads) as (it, ihv):
-                body(it, ihv, 0, q, k, v, g, h, do, dh, rq, scale, dq, dk, None, dg)
-
-    elif no_dv:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, heads, V), dtype),
-            g: T.Tensor(gshape, acc),
-            h: T.Tensor((NT, heads, K, V), dtype),
-            do: T.Tensor((L, heads, V), dtype),
-            dh: T.Tensor((NT, heads, K, V), dtype),
-            scale: T.float32,
-            dq: T.Tensor((L, heads, K), dtype),
-            dk: T.Tensor((L, heads, K), dtype),
-            dg: T.Tensor((K // BK, L, heads) if split else (L, heads), acc),
-        ):
-            if split:
-                with T.Kernel(NT, heads, K // BK, threads=threads) as (it, ihv, ik):
-                    body(it, ihv, ik, q, k, v, g, h, do, dh, None, scale, dq, dk, None, dg)
-            else:
-                with T.Kernel(NT, heads, threads=threads) as (it, ihv):
-                    body(it, ihv, 0, q, k, v, g, h, do, dh, None, scale, dq, dk, None, dg)
-
-    elif l2norm:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, heads, V), dtype),
-            g: T.Tensor(gshape, acc),
-            h: T.Tensor((NT, heads, K, V), dtype),
-            do: T.Tensor((L, heads, V), dtype),
-            dh: T.Tensor((NT, heads, K, V), dtype),
-            rq: T.Tensor(rshape, acc),
-            scale: T.float32,
-            dq: T.Tensor((L, heads, K), dtype),
-            dk: T.Tensor((L, heads, K), dtype),
-            dv: T.Tensor((L, heads, V), dtype),
-            dg: T.Tensor((L, heads), acc),
-        ):
+    @T.macro
+    def entry(q, k, v, g, h, do, dh, rq, scale, dq, dk, dv, dg):
+        if split:
+            with T.Kernel(NT, heads, K // BK, threads=threads) as (it, ihv, ik):
+                body(it, ihv, ik, q, k, v, g, h, do, dh, rq, scale, dq, dk, dv, dg)
+        else:
             with T.Kernel(NT, heads, threads=threads) as (it, ihv):
                 body(it, ihv, 0, q, k, v, g, h, do, dh, rq, scale, dq, dk, dv, dg)
 
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, heads, V), dtype),
-            g: T.Tensor(gshape, acc),
-            h: T.Tensor((NT, heads, K, V), dtype),
-            do: T.Tensor((L, heads, V), dtype),
-            dh: T.Tensor((NT, heads, K, V), dtype),
-            scale: T.float32,
-            dq: T.Tensor((L, heads, K), dtype),
-            dk: T.Tensor((L, heads, K), dtype),
-            dv: T.Tensor((K // BK, L, heads, V) if split else (L, heads, V), acc if split else dtype),
-            dg: T.Tensor((K // BK, L, heads) if split else (L, heads), acc),
-        ):
-            if split:
-                with T.Kernel(NT, heads, K // BK, threads=threads) as (it, ihv, ik):
-                    body(it, ihv, ik, q, k, v, g, h, do, dh, None, scale, dq, dk, dv, dg)
-            else:
-                with T.Kernel(NT, heads, threads=threads) as (it, ihv):
-                    body(it, ihv, 0, q, k, v, g, h, do, dh, None, scale, dq, dk, dv, dg)
+    parts = (K // BK,) if split else ()  # (the key channels split over programs: dv, dg in float32 parts)
+    main = program(entry, q=T.Tensor((L, H, K), dtype), k=T.Tensor((L, H, K), dtype), v=T.Tensor((L, heads, V), dtype),
+                   g=T.Tensor(gshape, acc), h=T.Tensor((NT, heads, K, V), dtype), do=T.Tensor((L, heads, V), dtype),
+                   dh=T.Tensor((NT, heads, K, V), dtype), rq=T.Tensor(rshape, acc) if l2norm else None, scale=T.float32,
+                   dq=T.Tensor((L, heads, K), dtype), dk=T.Tensor((L, heads, K), dtype),
+                   dv=None if no_dv else T.Tensor((*parts, L, heads, V), acc if split else dtype),
+                   dg=T.Tensor((*parts, L, heads), acc))
 
     # (build.py reads the attribute into the lowering's pass config)
     return main if specialized else main.with_attr("fla.disable_warp_specialized", 1)

@@ -28,6 +28,7 @@ from kernels.common import (
     gate_scan_load,
     initial_state,
     output_chunk,
+    program,
     publish_state,
     stage_loads,
 )
@@ -35,49 +36,17 @@ from kernels.common import (
 
 def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows: bool = False):
     """The prim_func of a forward pass `body` (a macro of the inputs and outputs), with the stored
-    states `h` among its outputs under `store_h` (TileLang varies a parameter list so); with
+    states `h` among its outputs under `store_h` (one declaration for every such pass); with
     `g_rows` G arrives as per-chunk rows `[NT, H, BT]` (BT = 64). The initial states `h0` have
     rows of their own (`N0`): none where the call has none (`kernels.common.initial_state`)."""
     L, H, N, NT = dims
     N0 = T.dynamic("N0")
     acc = "float32"
     gshape = (NT, H, 64) if g_rows else (L, H)
-    if store_h:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor(gshape, acc),
-            h0: T.Tensor((N0, H, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, H, V), dtype),
-            h: T.Tensor((NT, H, K, V), dtype),
-            ht: T.Tensor((N, H, K, V), acc),
-        ):
-            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h)
-
-    else:
-
-        @T.prim_func
-        def main(
-            q: T.Tensor((L, H, K), dtype),
-            k: T.Tensor((L, H, K), dtype),
-            v: T.Tensor((L, H, V), dtype),
-            g: T.Tensor(gshape, acc),
-            h0: T.Tensor((N0, H, K, V), acc),
-            cstart: T.Tensor((N,), "int32"),
-            ccount: T.Tensor((N,), "int32"),
-            scale: T.float32,
-            o: T.Tensor((L, H, V), dtype),
-            ht: T.Tensor((N, H, K, V), acc),
-        ):
-            body(q, k, v, g, h0, cstart, ccount, scale, o, ht, None)
-
-    return main
+    return program(body, q=T.Tensor((L, H, K), dtype), k=T.Tensor((L, H, K), dtype), v=T.Tensor((L, H, V), dtype),
+                   g=T.Tensor(gshape, acc), h0=T.Tensor((N0, H, K, V), acc), cstart=T.Tensor((N,), "int32"),
+                   ccount=T.Tensor((N,), "int32"), scale=T.float32, o=T.Tensor((L, H, V), dtype),
+                   h=T.Tensor((NT, H, K, V), dtype) if store_h else None, ht=T.Tensor((N, H, K, V), acc))
 
 
 def _threads(K: int) -> int:
