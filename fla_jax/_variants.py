@@ -268,7 +268,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 outputs=("dq", "dk", "dv", "dg"), config=(("bounded", False),)),
         Program(name="x_dh_bv32", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"),
                 config=(("channel_gates", True), ("BV", 32))),
-        Program(name="x_dh_1wg", of="dh", module="gla.bwd", builder="chunk_gla_bwd_dh", outputs=("dh", "dh0")),
         # q, k, G and A loaded by each thread (the default before)
         Program(name="x_dqkvg_sync", of="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg",
                 outputs=("dq", "dk", "dv", "dg"), config=(("tma_loads", False),)),
@@ -301,11 +300,8 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(("tma_loads", False), ("tma_stores", False))),
         Program(name="x_wy_t_tma", of="wy_t", module="delta.wy", builder="chunk_delta_wy", outputs=("w", "u", "t"),
                 config=(("store_t", True), ("tma_t", True))),
-        Program(name="x_fused_1wg", of="fused", module="delta.fwd", builder="chunk_delta_fwd_1wg", outputs=("o", "vnew", "ht")),
         Program(name="x_fused_s3", of="fused", module="delta.fwd", builder="chunk_delta_fwd", outputs=("o", "vnew", "ht"),
                 config=(("stages", 3),)),
-        Program(name="x_fused_h_1wg", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd_1wg",
-                outputs=("o", "vnew", "h", "ht"), config=(("store_h", True), *G_ROWS)),
         # G's rows by TMA, exp(G_C - G) per element
         Program(name="x_fused_h_rows", of="fused_h", module="delta.fwd", builder="chunk_delta_fwd",
                 outputs=("o", "vnew", "h", "ht"), config=(("store_h", True), *G_ROWS)),
@@ -349,8 +345,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # registers by the output warpgroups (`p_regs`) and the fourth stage the freed shared memory makes room for
         Program(name="x_fused_tp4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_ROWS, ("stages", 4), ("transposed", True), ("p_regs", True))),
-        Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
-                config=(("g_rows", True), ("store_h", True),)),
         Program(name="x_fused_h_3wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
         # storing h with three stages (193 KB of shared memory)
@@ -363,8 +357,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
                 config=(*G_SCAN, ("stages", 3), *ROW_FACTORS)),
         Program(name="x_fused_tp4", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
                 config=(*G_ROWS, ("stages", 4), ("transposed", True), ("p_regs", True))),
-        Program(name="x_fused_h_1wg", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_1wg", outputs=("o", "h", "ht"),
-                config=(("g_rows", True), ("store_h", True),)),
         Program(name="x_fused_h_2out", of="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
                 config=(("g_rows", True), ("store_h", True),)),
     ),
@@ -444,9 +436,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         Program(name="x_dqkvg_flat", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=FLAT_64),  # slower, see the delta rules' above
         Program(name="x_dqkvg_ws", of="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg")),
-        Program(name="x_dh_1wg", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0")),
-        Program(name="x_dh_bk64", of="dh", module="simple_gla.bwd", builder="chunk_bwd_dh_1wg", outputs=("dh", "dh0"),
-                config=(("BK", 64),)),
     ),
 }
 

@@ -19,7 +19,6 @@ The WY preparation (`kernels/delta/wy.py`) runs before this kernel, per chunk an
 import tilelang.language as T
 
 from kernels.common import (
-    chunk_output_and_update,
     delta_loads,
     final_state,
     initial_state,
@@ -43,63 +42,6 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows:
                    cstart=T.Tensor((N,), "int32"), ccount=T.Tensor((N,), "int32"), scale=T.float32,
                    o=T.Tensor((L, HV, V), dtype), vnew=T.Tensor((L, HV, V), dtype),
                    h=T.Tensor((NT, HV, K, V), dtype) if store_h else None, ht=T.Tensor((N, HV, K, V), acc))
-
-
-def chunk_delta_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                        stages: int | None = None, store_h: bool = False, g_rows: bool = False):
-    """One warpgroup doing everything (TileLang's pipeline adds a producer): the dispatched forward
-    before `chunk_delta_fwd`, kept as the experiment `x_fused_1wg`. `g_rows` as `chunk_delta_fwd`'s."""
-    L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
-    acc = "float32"
-    threads = threads or (256 if K > 128 else 128)
-    stages = stages or (2 if K <= 128 else 1)  # two stages at K = 256 would exceed 227 KB of shared memory
-    step = chunk_output_and_update(BT=BT, K=K, BV=BV, dtype=dtype)
-
-    @T.macro
-    def body(q, k, w, u, g, h0, cstart, ccount, scale, o, vnew, ht, h):
-        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=threads) as (iv, inh):
-            n = inh // HV
-            ihv = inh % HV
-            ih = ihv // (HV // H)
-            b_h = T.alloc_fragment((K, BV), acc)
-            h_s = T.alloc_shared((K, BV), dtype)
-            q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
-            w_s = T.alloc_shared((BT, K), dtype)
-            kd_s = T.alloc_shared((BT, K), dtype)
-            u_s = T.alloc_shared((BT, BV), dtype)
-            vn_s = T.alloc_shared((BT, BV), dtype)
-            s_s = T.alloc_shared((BT, BT), dtype)
-            o_s = T.alloc_shared((BT, BV), dtype)
-            g_s = T.alloc_shared((BT,), acc)
-            acc_v = T.alloc_fragment((BT, BV), acc)
-            acc_o = T.alloc_fragment((BT, BV), acc)
-            acc_s = T.alloc_fragment((BT, BT), acc)
-            c0 = cstart[n]
-            initial_state(h0, b_h, n, ihv, iv)
-            for i in T.Pipelined(ccount[n], num_stages=stages):
-                t0 = (c0 + i) * BT
-                T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
-                T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
-                T.copy(w[t0 : t0 + BT, ihv, 0:K], w_s)
-                T.copy(u[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV], u_s)
-                if g_rows:
-                    T.copy(g[c0 + i, ihv, 0:BT], g_s)
-                else:
-                    T.copy(g[t0 : t0 + BT, ihv], g_s, disable_tma=True)
-                T.copy(b_h, h_s)
-                if store_h:
-                    T.copy(h_s, h[c0 + i, ihv, 0:K, iv * BV : (iv + 1) * BV])
-                T.clear(acc_v)
-                T.gemm(w_s, h_s, acc_v)
-                for a, b in T.Parallel(BT, BV):
-                    acc_v[a, b] = T.cast(u_s[a, b], acc) - acc_v[a, b]
-                T.copy(acc_v, vn_s)
-                T.copy(vn_s, vnew[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
-                step(q_s, k_s, vn_s, h_s, g_s, b_h, kd_s, s_s, o_s, acc_o, acc_s, o, t0, ihv, iv, scale)
-            T.copy(b_h, ht[n, ihv, 0:K, iv * BV : (iv + 1) * BV])
-
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, HV, N, NT), g_rows=g_rows)
 
 
 def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None,

@@ -1,16 +1,12 @@
-"""GLA backward in TileLang: a reverse state-gradient pass and one fused consumer per chunk.
+"""GLA backward in TileLang: one fused consumer per chunk (the reverse state-gradient pass is simple GLA's).
 
 Layout and inputs as for the forward (`kernels/gla/fwd.py`: flat chunk rows, `g [L, H, K]` the
 in-chunk cumulative log gates per key channel, float32), plus what the forward stored: `A`
 (`[NT, H, BT, BT]`, scaled and masked, input dtype) and the states before each chunk
 `h [NT, H, K, V]`.
 
-* `chunk_gla_bwd_dh` (one warpgroup; the experiment `x_dh_1wg`: the dispatched pass is simple
-  GLA's warp-specialized `chunk_bwd_dh(channel_gates=True)`, which computes the same): one
-  program per (V block, sequence * head), its chunks in reverse, from
-  `dht[n]`: `dS <- Diag(exp(G_C)) dS + scale qg^T do`, with `qg = q * exp(G)` as the forward's
-  `chunk_gla_a` wrote it (kept for the backward: of the gates only each chunk's last row is read).
-  Writes `dh[c]`, the gradient of the state after chunk c (input dtype), and `dh0 [N, H, K, V]`.
+* The reverse state-gradient pass is simple GLA's warp-specialized `chunk_bwd_dh(channel_gates=True)`
+  (`kernels/simple_gla/bwd.py`), from `q * exp(G)` as the forward's `chunk_gla_a` wrote it.
 * `chunk_gla_bwd_dqkvg`: one program per (chunk, head), over the V blocks with q, k, G and A on
   chip: `dv = (k * exp(G_C - G)) dh + A^T do`, and accumulated `P = do h^T`, `R = v dh^T`,
   `dA = scale (do v^T)` (j <= i), `sum_v h * dh` per key row. Then
@@ -33,56 +29,6 @@ from kernels.common import arrive_once
 from kernels.gla.fwd import chunk_span, half_limit
 
 NS = 16  # sub-chunk rows
-
-
-def chunk_gla_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
-                     stages: int | None = None):
-    """The state carried is `dS / scale`, so that the GEMM takes `qg` as stored."""
-    L, H, N, NT = T.dynamic("L, H, N, NT")
-    acc = "float32"
-    threads = threads or (256 if K > 128 else 128)
-    stages = stages or 2
-
-    @T.prim_func
-    def main(
-        qg: T.Tensor((L, H, K), dtype),
-        do: T.Tensor((L, H, V), dtype),
-        g: T.Tensor((L, H, K), acc),
-        dht: T.Tensor((N, H, K, V), acc),
-        cstart: T.Tensor((N,), "int32"),
-        ccount: T.Tensor((N,), "int32"),
-        scale: T.float32,
-        dh: T.Tensor((NT, H, K, V), dtype),
-        dh0: T.Tensor((N, H, K, V), acc),
-    ):
-        with T.Kernel(T.ceildiv(V, BV), N * H, threads=threads) as (iv, inh):
-            n = inh // H
-            ih = inh % H
-            b_dh = T.alloc_fragment((K, BV), acc)
-            dh_s = T.alloc_shared((K, BV), dtype)
-            q_s = T.alloc_shared((BT, K), dtype)
-            gl_s = T.alloc_shared((K,), acc)
-            do_s = T.alloc_shared((BT, BV), dtype)
-            c1 = cstart[n] + ccount[n] - 1
-            T.copy(dht[n, ih, 0:K, iv * BV : (iv + 1) * BV], b_dh)
-            for i, j in T.Parallel(K, BV):
-                b_dh[i, j] = b_dh[i, j] / scale
-            for ir in T.Pipelined(ccount[n], num_stages=stages):
-                t0 = (c1 - ir) * BT
-                T.copy(qg[t0 : t0 + BT, ih, 0:K], q_s)
-                T.copy(do[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], do_s)
-                T.copy(g[t0 + BT - 1, ih, 0:K], gl_s)
-                for i, j in T.Parallel(K, BV):
-                    dh_s[i, j] = T.cast(b_dh[i, j] * scale, dtype)
-                T.copy(dh_s, dh[c1 - ir, ih, 0:K, iv * BV : (iv + 1) * BV])
-                for i, j in T.Parallel(K, BV):
-                    b_dh[i, j] = b_dh[i, j] * T.exp(gl_s[i])
-                T.gemm(q_s, do_s, b_dh, transpose_A=True)
-            for i, j in T.Parallel(K, BV):
-                b_dh[i, j] = b_dh[i, j] * scale
-            T.copy(b_dh, dh0[n, ih, 0:K, iv * BV : (iv + 1) * BV])
-
-    return main
 
 
 def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | None = None, threads: int = 128,

@@ -9,8 +9,6 @@ chunk `h [NT, H, K, V]` (stored by the forward, `chunk_fwd(store_h=True)`).
   after chunk c; `dh0[n]` that of sequence n's initial state:
   `dS_before = exp(G_C) dS_after + scale q^T (do * exp(G))`, starting from `dht[n]`. With
   `channel_gates` it is GLA's pass (per-channel decay, from the forward's `q * exp(G)`).
-  (`chunk_bwd_dh_1wg`, the one-warpgroup pass before it, also splits K in blocks of BK: rows of
-  the state gradient are independent.)
 * `chunk_bwd_dqkvg`: one program per (chunk, head), looping over V blocks with A = the
   masked, decayed `scale Q K^T` and `kd = k * exp(G_C - G)` kept on chip:
   `dv = kd dh + A^T do`, `dq = scale exp(G) (do h^T) + dS k`, `dk = exp(G_C - G) (v dh^T) + dS^T q`
@@ -30,55 +28,6 @@ from kernels.common import (
     program,
     stage_loads,
 )
-
-
-def chunk_bwd_dh_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, BK: int | None = None,
-                     threads: int | None = None, stages: int = 2):
-    """One warpgroup (TileLang's pipeline adds a producer), K optionally split in blocks of `BK`:
-    the dispatched pass before `chunk_bwd_dh` (the experiments `x_dh_1wg`, `x_dh_bk64`)."""
-    BK = BK or K
-    L, H, N, NT, ND, N0 = T.dynamic("L, H, N, NT, ND, N0")
-    acc = "float32"
-    threads = threads or (256 if BK > 128 else 128)
-
-    @T.prim_func
-    def main(
-        q: T.Tensor((L, H, K), dtype),
-        do: T.Tensor((L, H, V), dtype),
-        g: T.Tensor((L, H), acc),
-        dht: T.Tensor((ND, H, K, V), acc),
-        cstart: T.Tensor((N,), "int32"),
-        ccount: T.Tensor((N,), "int32"),
-        scale: T.float32,
-        dh: T.Tensor((NT, H, K, V), dtype),
-        dh0: T.Tensor((N0, H, K, V), acc),
-    ):
-        with T.Kernel(T.ceildiv(V, BV), T.ceildiv(K, BK), N * H, threads=threads) as (iv, ik, inh):
-            n = inh // H
-            ih = inh % H
-            b_dh = T.alloc_fragment((BK, BV), acc)
-            dh_s = T.alloc_shared((BK, BV), dtype)
-            q_s = T.alloc_shared((BT, BK), dtype)
-            qd_s = T.alloc_shared((BT, BK), dtype)
-            do_s = T.alloc_shared((BT, BV), dtype)
-            g_s = T.alloc_shared((BT,), acc)
-            c1 = cstart[n] + ccount[n] - 1
-            initial_state(dht, b_dh, n, ih, iv, k0=ik * BK)
-            for ir in T.Pipelined(ccount[n], num_stages=stages):
-                t0 = (c1 - ir) * BT
-                T.copy(q[t0 : t0 + BT, ih, ik * BK : (ik + 1) * BK], q_s)
-                T.copy(do[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], do_s)
-                T.copy(g[t0 : t0 + BT, ih], g_s, disable_tma=True)
-                T.copy(b_dh, dh_s)
-                T.copy(dh_s, dh[c1 - ir, ih, ik * BK : (ik + 1) * BK, iv * BV : (iv + 1) * BV])
-                for i, j in T.Parallel(BT, BK):
-                    qd_s[i, j] = T.cast(T.cast(q_s[i, j], acc) * T.exp(g_s[i]) * scale, dtype)
-                for i, j in T.Parallel(BK, BV):
-                    b_dh[i, j] = b_dh[i, j] * T.exp(g_s[BT - 1])
-                T.gemm(qd_s, do_s, b_dh, transpose_A=True)
-            final_state(b_dh, dh0, n, ih, iv, k0=ik * BK)
-
-    return main
 
 
 def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, channel_gates: bool = False,

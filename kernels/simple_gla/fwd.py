@@ -15,14 +15,13 @@ in-chunk cumulative log gates (`G_i = g_1 + ... + g_i` within each chunk), float
   output (see its docstring); `chunk_fwd_2out` gives the output two warpgroups taking alternate
   chunks (dispatched at K = 64 and 128 for the forward, K = 128 storing h). (The one-pass design
   replaced a two-kernel forward, states to HBM then the output: 0.169 + 0.152 ms against 0.231 ms
-  at 4,4096,16,128 bf16 on an H200; the one-warpgroup version of it is kept as `chunk_fwd_1wg`.)
+  at 4,4096,16,128 bf16 on an H200.)
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
 from kernels.common import (
-    chunk_output_and_update,
     final_state,
     gate_load,
     gate_scan_load,
@@ -47,56 +46,6 @@ def _prim_func(body, *, K: int, V: int, dtype: str, store_h: bool, dims, g_rows:
                    g=T.Tensor(gshape, acc), h0=T.Tensor((N0, H, K, V), acc), cstart=T.Tensor((N,), "int32"),
                    ccount=T.Tensor((N,), "int32"), scale=T.float32, o=T.Tensor((L, H, V), dtype),
                    h=T.Tensor((NT, H, K, V), dtype) if store_h else None, ht=T.Tensor((N, H, K, V), acc))
-
-
-def _threads(K: int) -> int:
-    return 256 if K > 128 else 128
-
-
-def chunk_fwd_1wg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None, stages: int = 2,
-                  store_h: bool = False, g_rows: bool = False):
-    """The one-pass forward with one warpgroup doing everything (TileLang's pipeline adds a
-    producer); the dispatched forward before `chunk_fwd`, kept as the experiment `x_fused_1wg`.
-    `store_h` adds the output `h [NT, H, K, V]` (the state before every chunk, input dtype)."""
-    L, H, N, NT = T.dynamic("L, H, N, NT")
-    acc = "float32"
-    threads = threads or _threads(K)
-    step = chunk_output_and_update(BT=BT, K=K, BV=BV, dtype=dtype)
-
-    @T.macro
-    def body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h):
-        with T.Kernel(T.ceildiv(V, BV), N * H, threads=threads) as (iv, inh):
-            n = inh // H
-            ih = inh % H
-            b_h = T.alloc_fragment((K, BV), acc)
-            h_s = T.alloc_shared((K, BV), dtype)
-            q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
-            kd_s = T.alloc_shared((BT, K), dtype)
-            v_s = T.alloc_shared((BT, BV), dtype)
-            s_s = T.alloc_shared((BT, BT), dtype)
-            o_s = T.alloc_shared((BT, BV), dtype)
-            g_s = T.alloc_shared((BT,), acc)
-            acc_o = T.alloc_fragment((BT, BV), acc)
-            acc_s = T.alloc_fragment((BT, BT), acc)
-            c0 = cstart[n]
-            initial_state(h0, b_h, n, ih, iv)
-            for i in T.Pipelined(ccount[n], num_stages=stages):
-                t0 = (c0 + i) * BT
-                T.copy(q[t0 : t0 + BT, ih, 0:K], q_s)
-                T.copy(k[t0 : t0 + BT, ih, 0:K], k_s)
-                T.copy(v[t0 : t0 + BT, ih, iv * BV : (iv + 1) * BV], v_s)
-                if g_rows:
-                    T.copy(g[c0 + i, ih, 0:BT], g_s, disable_tma=True)
-                else:
-                    T.copy(g[t0 : t0 + BT, ih], g_s, disable_tma=True)
-                T.copy(b_h, h_s)
-                if store_h:
-                    T.copy(h_s, h[c0 + i, ih, 0:K, iv * BV : (iv + 1) * BV])
-                step(q_s, k_s, v_s, h_s, g_s, b_h, kd_s, s_s, o_s, acc_o, acc_s, o, t0, ih, iv, scale)
-            T.copy(b_h, ht[n, ih, 0:K, iv * BV : (iv + 1) * BV])
-
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT), g_rows=g_rows)
 
 
 def _loads(q, k, v, g, q_s, k_s, v_s, g_s, ih, iv, g_rows=False, g_scan=False):
