@@ -60,12 +60,14 @@ def generated(target: str, ext: str) -> Path:
 
 def interface(meta: dict) -> dict:
     """A program's interface as its description records it (the prim_func's parameters): inputs, then outputs, each
-    `[name, dtype, shape]` (a shape entry an int or a symbol such as "L"), and the scalar attributes `[name, dtype]`.
+    `[name, dtype, shape]` (a shape entry an int or a symbol such as "L"), the scalar attributes `[name, dtype]`, and
+    `{symbol: m}` for a symbol that must be a multiple of m (V on the grid: `kernels.common.v_tile`).
     The extension carries it (`fla_jax._ext.interfaces()`): the runtime binds its calls to it by name."""
     buffers = [p for p in meta["params"] if p["kind"] == "buffer"]
     return {"inputs": [[p["name"], p["dtype"], p["shape"]] for p in buffers if p["name"] not in meta["outputs"]],
             "outputs": [[p["name"], p["dtype"], p["shape"]] for n in meta["outputs"] for p in buffers if p["name"] == n],
-            "attrs": [[p["name"], p["dtype"]] for p in meta["params"] if p["kind"] == "scalar"]}
+            "attrs": [[p["name"], p["dtype"]] for p in meta["params"] if p["kind"] == "scalar"],
+            "multiple_of": meta.get("multiple_of", {})}
 
 
 def cuda_home() -> Path | None:
@@ -202,9 +204,12 @@ def lower_one(variant, program, key: str) -> dict:
             raise NotImplementedError(f"{target_name}: host calls {fname}, which build.py does not translate")
     if not launches:
         raise RuntimeError(f"{target_name}: no kernel launch found in the lowered host code")
+    # a program that reads V off its buffers takes only multiples of its V block (`kernels.common.v_tile`)
+    tile = (func.attrs or {}).get("fla.v_tile")
     meta = {"target": target_name, "key": key, "variant": repr(variant), "program": repr(program),
             "source": f"kernels/{program.module.replace('.', '/')}.py", "params": params,
-            "outputs": list(program.outputs), "descs": descs, "launches": launches}
+            "outputs": list(program.outputs), "descs": descs, "launches": launches,
+            "multiple_of": {} if tile is None else {"V": int(tile)}}
     return meta  # written by `main` once the cubin is: its key is what marks the cubin as built
 
 
@@ -322,6 +327,8 @@ def handler_source(meta: dict) -> str:
             else:
                 L.append(f'  if (s_{n}[{i}] != d_{d}) return Bad("`{n}` dim {i} must equal {d} = " + std::to_string(d_{d}) + ", got " + std::to_string(s_{n}[{i}]));')
         L.append(f'  void* p_{p["data"]} = {acc}untyped_data();')
+    for d, m in meta.get("multiple_of", {}).items():  # (the kernel assumes it: its V blocks' copies carry no bound checks)
+        L.append(f'  if (d_{d} % {m} != 0) return Bad("dim {d} = " + std::to_string(d_{d}) + " must be a multiple of {m}");')
     for name, d in meta["descs"].items():
         r = d["rank"]
         L += [f'  CUtensorMap m_{name};', '  {',

@@ -56,6 +56,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             "dh": ((state, final), (q, do, gates("bwd", "dh"), h0, cstart, ccount), {"scale": s}),
             "dqkvg": ((like(q), like(k), split(v), split(G)), (q, k, v, G, h, do, h), {"scale": s}),
         }
+
     elif op == "gla":  # gates per key channel
         gk = jnp.asarray(-np.abs(rng.standard_normal((B * T, H, D))) * 0.1, jnp.float32)  # per step
         am = (jax.ShapeDtypeStruct((NT, H, 64, 64), dtype), like(gk), like(q), like(k))
@@ -119,6 +120,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             name = getattr(prec, "name", str(prec))
             yield f"xla:local_vjp:{name}", local(prec), (f32(q), f32(k), f32(w), f32(u), G, h, f32(do), f32(h))
             yield f"xla:wy_vjp:{name}", jax.jit(lambda *a, prec=prec: delta.wy_vjp(at(prec), 64, *a)), (Tm, k, v, G, beta, dw, du)
+    calls |= {f"{n}_v": calls[n] for n in ("dh", "dqkvg")}  # (the twins taking V on their grid: here at V = K)
     for direction in ("fwd", "bwd"):
         variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.declared:
@@ -128,8 +130,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             config = dict(prog.config)
             if config.get("dg_sum"):  # (the WY VJP adding the consumer's dG, after dk0: G stands in for it)
                 args = (*args[:8], G, *args[8:])
-            names = input_names(variant, prog)
-            named = dict(zip(names, args, strict=True))
+            named = interface(variant, prog).bind(args)
             if op != "gla" and "g" in named:  # the scalar gates as this program takes them: per step (`g_scan`), as
                 # per-chunk rows (`g_rows`), or as its kind takes them
                 named["g"] = steps.reshape(B * T, H) if config.get("g_scan") else common.gate_rows(G, 64) if config.get("g_rows") else named["g"]
@@ -138,7 +139,7 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             args = tuple(named.values())
             if config.get("g_scan") and prog.kind.startswith("wy_t"):  # (the WY kernel summing the gates also writes G, its rows)
                 results = (*results, jax.ShapeDtypeStruct((B * T, H), jnp.float32), jax.ShapeDtypeStruct((B * T // 64, H, 64), jnp.float32))
-            yield f"{direction}:{prog.name}", _kernel(p, variant.target(prog), results, attrs, names), args
+            yield f"{direction}:{prog.name}", _kernel(p, variant.target(prog), results, attrs, interface(variant, prog)), args
     if op == "gla":  # gates strong enough that every chunk takes the exact (sub-chunk) path, and none (every chunk wide)
         for label, factor in (("strong", 100.0), ("zero", 0.0)):
             a_x, G_x = run("fwd", "a", am, q, k, gk * factor, scale=s)[:2]
@@ -147,26 +148,28 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
                 yield f"{direction}:{name}@{label}", _kernel(p, plan.targets(p, direction, D, D)[name], results, attrs), args
 
 
-def input_names(variant, prog) -> list[str]:
-    """Program `prog`'s inputs in its order, as the build recorded them (`runtime.interfaces`, the names `runtime.call`
-    takes); for an experiment this install did not build, those of a built program of its kind (at any head dim:
-    the names do not depend on it), with the consumer's `dg0` after `dk0` where it adds that (`dg_sum`)."""
+def interface(variant, prog) -> runtime.Interface:
+    """Program `prog`'s interface as the build recorded it (`runtime.interfaces`); for an experiment this install did
+    not build (the emulated tests run them), that of a built program of its kind (at any head dim: the names do not
+    depend on it), with the consumer's `dg0` after `dk0` where it adds that (`dg_sum`)."""
     interfaces = runtime.interfaces()
     found = interfaces.get(variant.target(prog))
-    if found is None:
-        found = next(i for t, i in interfaces.items() if t.startswith(f"fla_{variant.op}_{variant.direction}_")
-                     and t.rsplit("_c64_", 1)[1] == prog.kind)
+    if found is not None:
+        return found
+    found = next(i for t, i in interfaces.items() if t.startswith(f"fla_{variant.op}_{variant.direction}_")
+                 and t.rsplit("_c64_", 1)[1] == prog.kind)
     names = [q.name for q in found.inputs]
     if dict(prog.config).get("dg_sum") and "dg0" not in names:
-        names.insert(names.index("dk0") + 1, "dg0")
-    return names
+        at = names.index("dk0") + 1
+        found = found._replace(inputs=(*found.inputs[:at], runtime.Param("dg0", "float32", ()), *found.inputs[at:]))
+    return found
 
 
-def _kernel(p, target, results, attrs, names=None):
-    """One program of call `p` as a jitted call of its inputs, given in the order of `names` (its built interface's
+def _kernel(p, target, results, attrs, interface=None):
+    """One program of call `p` as a jitted call of its inputs, given in the order of its interface (the built one
     where None)."""
-    names = names or [q.name for q in runtime.interfaces()[target].inputs]
-    return jax.jit(lambda *a: runtime.call(p, target, results, **dict(zip(names, a, strict=True)), **attrs))
+    bind = (interface or runtime.interfaces()[target]).bind
+    return jax.jit(lambda *a: runtime.call(p, target, results, **bind(a), **attrs))
 
 
 def main(argv=None):

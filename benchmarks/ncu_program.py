@@ -145,9 +145,10 @@ def generated(gen: pathlib.Path, target: str, ext: str) -> pathlib.Path:
 def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: int = 0):
     meta = json.loads(generated(gen, target, "json").read_text())
     rng = np.random.default_rng(seed)
-    # (NS, M: simple GLA's `enter`, one piece per sequence, the whole sequence; N0, ND: h0 / dh0 and dht, a row each)
+    # (NS, M: simple GLA's `enter`, one piece per sequence, the whole sequence; N0, ND: h0 / dh0 and dht, a row each;
+    # V, where a program takes it on its grid: the variant's)
     dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_N0": B, "d_ND": B, "d_R": B * T, "d_NS": B,
-            "d_M": T // 64}
+            "d_M": T // 64, "d_V": int(re.search(r"_v(\d+)_c\d+_", target)[1])}
     sym = {k[2:]: v for k, v in dims.items()}
     ptrs, scalars = {}, {}
     for p in meta["params"]:

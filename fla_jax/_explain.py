@@ -97,11 +97,11 @@ def planned(plan) -> _planner.Plan:
     p = tilelang_backend.configured(problem, config)
     t = tilelang_backend.tiling(p, call["K"], call["V"])
     B, T = shapes["q"].shape[:2]
-    HV = shapes["v"].shape[2] * t.k_parts * t.v_parts  # (the parts run as more heads)
+    HV = shapes["v"].shape[2] * t.v_parts  # (the parts run as more value heads)
     cu = shapes.get("cu_seqlens")
     N, C = (B, p.chunk_size) if cu is None else (cu.shape[0] - 1, p.chunk_size)
     NT = B * _layout.cdiv(T, C) if cu is None else _layout.packed_chunks(T, N, C)
-    return _planner.plan(p, K=t.D, V=t.D, N=N, HV=HV, nt=NT // N, l2norm=call["l2norm"], varlen=cu is not None)
+    return _planner.plan(p, K=t.D, V=t.Vp if t.v_grid else t.D, N=N, HV=HV, nt=NT // N, l2norm=call["l2norm"], varlen=cu is not None)
 
 
 def _kernel_programs(plan) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -78,6 +78,9 @@ class Variant:
 FLAT_64: Final = (("stages", 1), ("specialized", False))
 # At K = 128 in V blocks of 32 with two load stages: two programs per SM (the warp-specialized one fits one).
 FLAT_BV32: Final = (("stages", 2), ("specialized", False), ("BV", 32))
+# The same with one load stage: TileLang's software pipeline over a loop of V blocks whose count is read off the
+# buffers (`GRID_V`) does not lower with two (its wait counts become expressions).
+FLAT_BV32_S1: Final = (("stages", 1), ("specialized", False), ("BV", 32))
 # The delta rules' reverse pass stores du (the gradient of v_new, formed on its chain), so their consumer forms dq,
 # dk, dg only (neither Q K^T nor the two products per V block that would form du again).
 DU: Final = (("store_du", True),)
@@ -93,6 +96,10 @@ WY_T_L2_SCAN_OUTPUTS: Final = ("w", "u", "t", "yq", "yk", "rq", "rk", "gs", "gro
 DG_SUM: Final = (("dg_sum", True),)
 # The state passes' chain warpgroup forms exp(G_C - G) once per row of v (v_new), not once per element (the same bits).
 ROW_FACTORS: Final = (("row_factors", True),)
+# V read off the buffers (the gated ops' forward programs but simple GLA's `enter`, and their backward's twins
+# `<name>_v`): one program serves every V that is a multiple of its V block, so a call with V != K runs as it is
+# (`fla_jax._tiling.GRID_V`), with no copies of q and k per V part and no padding of K to V.
+GRID_V: Final = (("grid_v", True),)
 # The inverse alone, writing G and beta as rows of `gr` (with use_qk_l2norm_in_kernel also 1 / |q|, 1 / |k|).
 INV: Final = (("inverse_only", True), ("gate_rows", True))
 INV_L2: Final = (*INV, ("l2norm", True))
@@ -106,12 +113,12 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         # the state pass computing o on chip; at K <= 128 two output warpgroups on alternate chunks
         # (`chunk_fwd_2out`) and three load stages, where they measured faster
         Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),
-                config=(*G_ROWS, ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
-        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=G_ROWS),
+                config=(*GRID_V, *G_ROWS, ("stages", 3), *ROW_FACTORS), dims=(64, 128)),
+        Program(name="fused", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "ht"), dims=(256,), config=(*GRID_V, *G_ROWS)),
         # under a gradient also storing h, the state before each chunk
         Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "h", "ht"),
-                config=(("g_rows", True), ("store_h", True)), dims=(128,)),
-        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(("g_rows", True), ("store_h", True),),
+                config=(*GRID_V, ("g_rows", True), ("store_h", True)), dims=(128,)),
+        Program(name="fused_h", module="simple_gla.fwd", builder="chunk_fwd", outputs=("o", "h", "ht"), config=(*GRID_V, ("g_rows", True), ("store_h", True)),
                 dims=(64, 256)),
         # the forward split into pieces (`Config.split_programs`): what the pieces' entering states add to o, in place
         Program(name="enter", module="simple_gla.fwd", builder="chunk_fwd_enter", outputs=("o",)),
@@ -209,31 +216,50 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("l2norm", True), *G_ROWS, ("late_cols", True)), dims=(64, 128)),
     ),
     ("simple_gla", "bwd"): (
+        # The backward's programs at V = K (as dispatched before V went on the grid: V static, so the consumer's loop
+        # over V blocks is unrolled; 4-22 % faster steps than the programs taking V on the grid, RESULTS.md), and
+        # their twins `<name>_v` taking V on the grid (`GRID_V`) for every other V (`plan.v_twin`).
         # the reverse pass (G's rows as the forward under a gradient hands them over, `plan.stores_gate_rows`)
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=G_ROWS, dims=(64, 128)),
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), dims=(256,)),
-        # the consumer: dq, dk, dv, dg per chunk
+        Program(name="dh_v", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(*GRID_V, *G_ROWS),
+                dims=(64, 128)),
+        Program(name="dh_v", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=GRID_V, dims=(256,)),
+        # the consumer: dq, dk, dv, dg per chunk. At K = 128 V blocks of 32, in two stages at V = K, in one taking V on
+        # the grid (TileLang's pipeline over a loop of V blocks of unknown count does not lower with two)
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=FLAT_64,
                 dims=(64,)),
+        Program(name="dqkvg_v", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(*GRID_V, *FLAT_64), dims=(64,)),
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(*FLAT_BV32, *G_ROWS), dims=(128,)),
+        Program(name="dqkvg_v", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(*GRID_V, *FLAT_BV32_S1, *G_ROWS), dims=(128,)),
         # K = 256: two programs per (chunk, head), 128 key channels each; dv and dg in float32 parts
         Program(name="dqkvg", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("BK", 128),), dims=(256,)),
+        Program(name="dqkvg_v", module="simple_gla.bwd", builder="chunk_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(*GRID_V, ("BK", 128)), dims=(256,)),
     ),
     ("gla", "fwd"): (
         # A, G, and the state pass's operands q exp(G), k exp(G_C - G)
         Program(name="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg")),
-        Program(name="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht")),
-        Program(name="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"), config=(("store_h", True),)),
+        Program(name="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=GRID_V),
+        Program(name="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"), config=(*GRID_V, ("store_h", True))),
     ),
     ("gla", "bwd"): (
+        # at V = K and, taking V on the grid, every other V (`<name>_v`), as simple GLA's
         # simple GLA's pass with per-channel gates, from the stored q exp(G)
         Program(name="dh", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(("channel_gates", True),)),
+        Program(name="dh_v", module="simple_gla.bwd", builder="chunk_bwd_dh", outputs=("dh", "dh0"), config=(*GRID_V, ("channel_gates", True))),
         Program(name="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), dims=(64, 128)),
+        Program(name="dqkvg_v", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"), config=GRID_V,
+                dims=(64, 128)),
         # K = 256: two programs per (chunk, head), 128 key channels each; dv in float32 parts ([2, L, H, V])
         Program(name="dqkvg", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
                 config=(("BK", 128),), dims=(256,)),
+        Program(name="dqkvg_v", module="gla.bwd", builder="chunk_gla_bwd_dqkvg", outputs=("dq", "dk", "dv", "dg"),
+                config=(*GRID_V, ("BK", 128)), dims=(256,)),
     ),
 }
 

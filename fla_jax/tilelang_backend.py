@@ -5,8 +5,9 @@ One module per op in `fla_jax._tilelang` (`simple_gla`, `gla`, `delta`: the delt
 its forward and backward; what they share there (`plan`: every choice of programs and pieces; `common`: layouts, the state pass;
 `runtime`: the extension; `config`: `Config`). This module is the backend's face: which calls the kernels
 take (`unsupported`, with the reason; `tiling` for K != V), `run`, and the custom VJP around the ops'
-forward and backward, each partitioned along batch and heads (`fla_jax._partition`). bf16/fp16, K and V
-up to 256 and 512 on the square programs (`fla_jax._tiling`), dense batches and `cu_seqlens`; "auto"
+forward and backward, each partitioned along batch and heads (`fla_jax._partition`). bf16/fp16, K up to
+256 and any V (`fla_jax._tiling`: the gated ops' programs take V on their grid, the delta rules' are square), dense
+batches and `cu_seqlens`; "auto"
 falls back to `xla` for anything else, and says so (`fla_jax.explain`).
 """
 
@@ -65,7 +66,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     T = q.shape[1]
     C = p.chunk_size
     t = tiling(p, q.shape[-1], v.shape[-1])
-    q, k, v, g, beta, h0 = _tiling.fold(t, delta=p.delta, q=q, k=k, v=v, g=g, beta=beta, h0=h0)
+    q, k, v, g, beta, h0 = _tiling.fold(t, q=q, k=k, v=v, g=g, beta=beta, h0=h0)
     layout = _layout.make_layout(T, cu_seqlens, C)
     g32 = jnp.zeros(v.shape[:3], jnp.float32) if g is None else g.astype(jnp.float32)  # GLA: [B, T, H, K]
     if g32.ndim == 3:  # (a decay of zero, g = -inf, as the xla backend takes it: `xla.GATE_FLOOR`; fused into XLA's
@@ -80,7 +81,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
 
 
 def tiling(p: Problem, K: int, V: int) -> _tiling.Tiling:
-    """How a call with head dims K and V runs on the square programs (`fla_jax._tiling`); only for a
+    """How a call with head dims K and V runs on the programs (`fla_jax._tiling`); only for a
     call that `unsupported` takes."""
     t = _tiling.tiling(p.op, K, V, HEAD_DIMS)
     assert not isinstance(t, str), t

@@ -23,6 +23,19 @@ def program(body, **buffers):
     return _eager._patch_prim_func_attrs(b.get(), b)
 
 
+def v_tile(func, BV: int):
+    """`func` (a program that reads V off its buffers, `grid_v`) marked as taking any V that is a multiple of its V
+    block BV: build.py has its FFI handler refuse any other V, and the runtime too (`Interface.check`). Its
+    body assumes it (`v_tile_assumed`), so that its copies of whole V blocks carry no bound checks (TileLang's
+    checks inside a warp-specialized pass also made its ThreadSync pass fail)."""
+    return func.with_attr("fla.v_tile", BV)
+
+
+def v_tile_assumed(V, BV: int):
+    """In a program's body: V is a multiple of BV (what `v_tile` has the FFI handler check)."""
+    T.evaluate(T.assume(V % BV == 0))
+
+
 @T.macro
 def publish_state(b_h, s_s, s_ready, s_free, i, store_h, h, c0, head, iv):
     """Warpgroup 0 of a warp-specialized forward state pass, at chunk `i`: once warpgroup 1 has

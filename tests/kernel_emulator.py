@@ -164,7 +164,8 @@ def fwd_enter(q, g, d, s, first, o, *, scale):
     return o.at[rows].set((o[rows].astype(f32) + add).astype(o.dtype))
 
 
-PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg, "_enter": fwd_enter}
+PROGRAMS = {"_fused": fwd_fused, "_fused_h": fwd_fused_h, "_dh": bwd_dh, "_dqkvg": bwd_dqkvg, "_dqkvg_v": bwd_dqkvg, "_dh_v": bwd_dh,
+            "_enter": fwd_enter}
 
 
 def _gla_decay(Gc):
@@ -238,7 +239,8 @@ def gla_bwd_dh(q, do, g, dht, cstart, ccount, *, scale):
     return _unwritten(dh.astype(qg.dtype), cstart, ccount, False), dh0
 
 
-GLA_PROGRAMS = {"_a": gla_a, "_fused": gla_fwd_fused, "_fused_h": gla_fwd_fused_h, "_dh": gla_bwd_dh, "_dqkvg": gla_bwd_dqkvg}
+GLA_PROGRAMS = {"_a": gla_a, "_fused": gla_fwd_fused, "_fused_h": gla_fwd_fused_h, "_dh": gla_bwd_dh, "_dqkvg": gla_bwd_dqkvg,
+                "_dh_v": gla_bwd_dh, "_dqkvg_v": gla_bwd_dqkvg}
 
 
 def _delta_states(q, k, G, h0, cstart, ccount, *, scale, v_new):
@@ -552,6 +554,7 @@ def launch(_p, target, results, named, init=None):
     prim_func gives them (`runtime.call` has checked them against the built interface, where built)."""
     named = dict(named)
     kind, config = BUILT[target]
+    kind = kind.removesuffix("_v") if kind.endswith("_v") else kind  # (a twin taking V on its grid computes its kind's)
     sums = ()
     if config.get("g_scan"):  # the gates per step, summed within each chunk by the program
         G = named["g"]
@@ -567,7 +570,7 @@ def launch(_p, target, results, named, init=None):
         named["scale"] = float(named["scale"])
     # where the key channels are split, results[2] has a leading axis of parts: dv [parts, L, H, V], or
     # the delta rules' consumer (no dv, three results) dg [parts, L, HV]
-    if target.endswith("_dqkvg") and len(results[2].shape) == (4 if len(results) == 4 else 3):
+    if kind == "dqkvg" and len(results[2].shape) == (4 if len(results) == 4 else 3):
         named["parts"] = results[2].shape[0]
     out = fn(**named)
     out = (*out, *sums) if sums else out

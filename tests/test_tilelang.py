@@ -45,8 +45,7 @@ POISONED = tilelang_backend.configured(_problem.Problem(op="simple_gla", delta=F
 def _call(target: str, results, args, attrs=None):
     """Program `target` on `args` given in the order of its inputs, NaN-poisoned outputs: the built interface names
     them (`runtime.interfaces`, the build's record of the prim_func), as `runtime.call` takes them."""
-    names = [q.name for q in runtime.interfaces()[target].inputs]
-    return runtime.call(POISONED, target, results, **dict(zip(names, args, strict=True)), **(attrs or {}))
+    return runtime.call(POISONED, target, results, **runtime.interfaces()[target].bind(args), **(attrs or {}))
 
 
 def _skip_unless_built(*names: str) -> None:
@@ -717,6 +716,27 @@ def test_tilelang_bad_shape_is_a_python_error():
         fla_jax.chunk_delta_rule(x, x, x, beta, backend="tilelang")
 
 
+@on_hopper
+@pytest.mark.gpu
+def test_handler_refuses_a_v_off_the_programs_v_tile(monkeypatch):
+    """A program that takes V on its grid assumes V is a multiple of its V block (no bound checks on its V-block
+    copies): its FFI handler returns an error for any other V, with the Python check (`Interface.check`) out of
+    the way, and no kernel runs; a multiple runs."""
+    target = "fla_simple_gla_fwd_bf16_k64_v64_c64_fused"
+    assert dict(runtime.interfaces()[target].multiple_of) == {"V": 64}
+    L, H, N = 128, 2, 2
+    def call(V):
+        named = dict(q=jnp.ones((L, H, 64), jnp.bfloat16), k=jnp.ones((L, H, 64), jnp.bfloat16), v=jnp.ones((L, H, V), jnp.bfloat16),
+                     g=jnp.zeros((L // 64, H, 64), jnp.float32), h0=jnp.zeros((0, H, 64, V), jnp.float32),
+                     cstart=jnp.array([0, 1], jnp.int32), ccount=jnp.array([1, 1], jnp.int32), scale=np.float32(0.125))
+        results = (jax.ShapeDtypeStruct((L, H, V), jnp.bfloat16), jax.ShapeDtypeStruct((N, H, 64, V), jnp.float32))
+        return jax.block_until_ready(runtime.launch(POISONED, target, results, named, None))
+    o, ht = call(192)
+    assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(ht)))
+    with pytest.raises(Exception, match="dim V = 96 must be a multiple of 64"):
+        call(96)
+
+
 def test_build_outputs_for_every_program():
     """build.py left a cubin for sm_90 and a generated, marked handler for every program, each
     cubin compiled from the program's current CUDA source and lowering key (an interrupted build
@@ -998,7 +1018,8 @@ def test_tilelang_delta_matches_fla_triton(op):
     assert op == "gated_delta_rule" or "dq" in errs, "fla ran no backward for the ungated delta rule"
 
 
-# K != V on the square programs (`fla_jax._tiling`): GDN at every pair of K in 64, 128, 256 and V in 64 ... 512
+# K != V (`fla_jax._tiling`: the delta rules on the square programs, the gated ops with V on the grid): GDN at every
+# pair of K in 64, 128, 256 and V in 64 ... 512
 # (grouped heads, l2 norm in the kernels, an initial state; varlen with an empty sequence at two pairs); the
 # other ops at V = 2K, V = 4K, K = 2V and a V off the head dims (padded). T not a multiple of 64.
 TILED_GPU_CASES = [

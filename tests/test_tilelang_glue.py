@@ -77,6 +77,12 @@ def test_a_program_call_is_checked_against_its_interface(monkeypatch):
         runtime.call(p, target, results, **dict(named, g=x(L // 64, H, 64)))
     with pytest.raises(ValueError, match=rf"{target}: `ht` dim 0 must be N = 2, got 3"):
         runtime.call(p, target, (results[0], x(3, H, 64, 64, dt=jnp.float32)), **named)
+    # V on the program's grid (simple GLA): any multiple of its V block, no other
+    wide = lambda V: (dict(named, v=x(L, H, V), h0=x(0, H, 64, V, dt=jnp.float32)), (x(L, H, V), x(N, H, 64, V, dt=jnp.float32)))
+    assert runtime.interfaces()[target].multiple_of == (("V", 64),)
+    runtime.call(p, target, wide(192)[1], **wide(192)[0])
+    with pytest.raises(ValueError, match=rf"{target}: V = 96 must be a multiple of 64"):
+        runtime.call(p, target, wide(96)[1], **wide(96)[0])
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -677,19 +683,20 @@ def test_scalar_gates_of_zero_decay_reach_the_kernels_finite(op, emulated):
 
 
 @pytest.mark.parametrize("op, K, V, expected", [
-    ("simple_gla", 128, 128, (128, 1, 1)), ("gated_delta_rule", 128, 128, (128, 1, 1)),
-    ("gated_delta_rule", 128, 256, (128, 1, 2)), ("gated_delta_rule", 256, 512, (256, 1, 2)), ("delta_rule", 64, 256, (64, 1, 4)),
-    ("delta_rule", 256, 128, (256, 1, 1)), ("gated_delta_rule", 128, 64, (128, 1, 1)),  # (V padded: K is not separable)
-    ("simple_gla", 64, 128, (64, 1, 2)), ("simple_gla", 128, 512, (128, 1, 4)), ("gla", 128, 512, (128, 1, 4)),
-    ("gla", 64, 128, (128, 1, 1)), ("gla", 128, 256, (256, 1, 1)),  # (GLA at V = 2K: K padded to V)
-    ("simple_gla", 128, 64, (64, 2, 1)), ("gla", 256, 128, (128, 2, 1)), ("simple_gla", 256, 64, (64, 4, 1)),
-    ("simple_gla", 64, 96, (64, 1, 2)), ("gla", 128, 96, (128, 1, 1)), ("gated_delta_rule", 32, 64, (64, 1, 1)),
-    ("simple_gla", 96, 192, (128, 1, 2)),
+    ("simple_gla", 128, 128, (128, 1, 128)), ("gated_delta_rule", 128, 128, (128, 1, 128)),
+    ("gated_delta_rule", 128, 256, (128, 2, 256)), ("gated_delta_rule", 256, 512, (256, 2, 512)), ("delta_rule", 64, 256, (64, 4, 256)),
+    ("delta_rule", 256, 128, (256, 1, 256)), ("gated_delta_rule", 128, 64, (128, 1, 128)),  # (V padded: K is not separable)
+    ("gated_delta_rule", 32, 64, (64, 1, 64)), ("delta_rule", 96, 200, (128, 2, 256)),
+    # the gated ops' programs take V on their grid: K padded to D, V to a multiple of 64
+    ("simple_gla", 64, 128, (64, 1, 128)), ("simple_gla", 128, 512, (128, 1, 512)), ("gla", 128, 512, (128, 1, 512)),
+    ("gla", 64, 128, (64, 1, 128)), ("gla", 128, 256, (128, 1, 256)), ("simple_gla", 128, 64, (128, 1, 64)),
+    ("gla", 256, 128, (256, 1, 128)), ("simple_gla", 256, 64, (256, 1, 64)), ("simple_gla", 64, 96, (64, 1, 128)),
+    ("gla", 128, 96, (128, 1, 128)), ("simple_gla", 96, 192, (128, 1, 192)), ("gla", 100, 30, (128, 1, 64)),
 ])
 def test_tiling_plans_the_head_dims(op, K, V, expected):
     t = _tiling.tiling(op, K, V, HEAD_DIMS)
-    assert (t.D, t.k_parts, t.v_parts) == expected, t
-    assert t.k_parts * t.D >= K and t.v_parts * t.D >= V and min(t.k_parts, t.v_parts) == 1
+    assert (t.D, t.v_parts, t.Vp) == expected, t
+    assert t.D >= K and t.Vp >= V and t.v_grid == (op in ("simple_gla", "gla"))
     assert "K = 512 is above" in _tiling.tiling(op, 512, 128, HEAD_DIMS)
 
 
@@ -698,6 +705,7 @@ TILED_CASES = [
     # K = 2V (a strong constant decay's gradient is all cancellation: ~1e-5 from fp16 terms ~1e-2, on every backend)
     Case("simple_gla", 1, 130, 1, 128, 64, dtype="float16", gate="g_gamma"),
     Case("simple_gla", 1, 300, 2, 64, 256, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, norm=0.1),  # V = 4K
+    Case("simple_gla", 2, 130, 2, 96, 160, dtype="bfloat16", h0=True),  # K and V padded (to 128 and 192)
     Case("gla", 2, 100, 2, 64, 128, dtype="bfloat16", h0=True),  # fla's GLA default, K = V / 2
     Case("gla", 1, 130, 1, 128, 64, dtype="float16", norm=0.1, h0=True),  # K = 2V
     Case("gla", 1, 300, 2, 64, 96, dtype="bfloat16", cu=(0, 0, 37, 37, 200, 300), h0=True, norm=10),  # V padded
@@ -710,8 +718,8 @@ TILED_CASES = [
 
 @pytest.mark.parametrize("case", TILED_CASES, ids=str)
 def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
-    """K != V (and K, V off the built head dims) on the square programs: V in parts as value heads, or
-    (gated ops) K in parts whose outputs are summed, zeros padding the rest; outputs, the final state
+    """K != V (and K, V off the built head dims): the gated ops with V on their programs' grid, the delta rules
+    on the square programs with V in parts as value heads, zeros padding the rest; outputs, the final state
     and every gradient against the float64 recurrence (emulated; NaN-poisoned on the GPU:
     test_tilelang_tiled_head_dims_match_float64)."""
     delta = case.op in ("delta_rule", "gated_delta_rule")
@@ -719,14 +727,16 @@ def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
     call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
     assert _backends.resolve("auto", p, **call).name == "tilelang"
     t = tilelang_backend.tiling(p, case.K, case.V)
-    assert not t.identity and t.D in HEAD_DIMS
+    assert (t.v_grid or not t.identity) and t.D in HEAD_DIMS
     diff, cot = make_inputs(case, 41)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     shapes = []
-    record = lambda p, target, *a: shapes.append(target) or kernel_emulator.launch(p, target, *a)
+    record = lambda p, target, results, named, *a: shapes.append((target, named)) or kernel_emulator.launch(p, target, results, named, *a)
     monkeypatch.setattr(runtime, "launch", record)
     grads, (o, ht) = loss_and_outputs(case, "tilelang")(diff, cot)
-    assert shapes and all(f"_k{t.D}_v{t.D}_" in n for n in shapes), shapes  # (the square programs ran)
+    assert shapes and all(f"_k{t.D}_v{t.D}_" in n for n, _ in shapes), shapes  # (the programs of head dim D ran)
+    if t.v_grid:  # (V on the programs' grid: v as the call gives it, padded to a multiple of 64; no parts as heads)
+        assert {x["v"].shape[-2:] for _, x in shapes if "v" in x} == {(case.HV or case.H, t.Vp)}, t
     errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)}
     errs.update({"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff})
     tol = (1e-2 if delta else 5e-3) if case.dtype == "bfloat16" else 3e-3

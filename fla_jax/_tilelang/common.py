@@ -356,16 +356,17 @@ def reverse_pass(b: Reverse, ins, extra: int = 0, *, totals=None, transition=Non
     `state_pass`) or `transition(first, count)` (the delta rules': the forward's map `[pieces, HV, K, K]`,
     which the fold applies transposed)."""
     vf = b.flat[2]
+    target = b.bwd[plan.v_twin(b.bwd, "dh", b.flat[0].shape[-1], vf.shape[-1])]  # (the gated ops' twin at V != K)
 
     def run(states, first, count):
         dh0 = jax.ShapeDtypeStruct((first.shape[0], *b.hf.shape[1:]), jnp.float32)
-        out = runtime.call(b.p, b.bwd["dh"], (like(b.hf), dh0, *(like(vf),) * extra), **ins, dht=states, cstart=first, ccount=count, scale=b.s)
+        out = runtime.call(b.p, target, (like(b.hf), dh0, *(like(vf),) * extra), **ins, dht=states, cstart=first, ccount=count, scale=b.s)
         return (out[0], *out[2:], out[1])  # (the piece states last, as `split_pass` takes them)
 
     N = b.cstart.shape[0]
     P = plan.pieces(b.p, N, vf.shape[1], vf.shape[-1], b.hf.shape[0] // N)
     if P == 1:
-        return runtime.call(b.p, b.bwd["dh"], (like(b.hf), b.dh0_like, *(like(vf),) * extra), **ins, dht=b.dht, cstart=b.cstart,
+        return runtime.call(b.p, target, (like(b.hf), b.dh0_like, *(like(vf),) * extra), **ins, dht=b.dht, cstart=b.cstart,
                             ccount=b.ccount, scale=b.s)
     trans = (lambda first, count: (piece_decays(totals, first, count), True)) if totals is not None else \
         (lambda first, count: (transition(first, count), False))

@@ -17,8 +17,10 @@ from fla_jax._variants import find as find_variant
 
 def targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     """{program name: FFI target} of one variant, each kind's the program that runs (`program`):
-    also a kind that only an experiment put in place by `Config.experiments` provides there."""
-    variant = find_variant("delta" if p.delta else p.op, direction, p.dtype, K, V)
+    also a kind that only an experiment put in place by `Config.experiments` provides there. The variants are
+    per K (their head_v = K); V is that of the call (simple GLA's programs take it on their grid)."""
+    del V
+    variant = find_variant("delta" if p.delta else p.op, direction, p.dtype, K, K)
     kinds = [prog.name for prog in variant.programs]
     kinds += [prog.of for prog in variant.experiments if prog.of not in kinds and chosen(p, direction, prog)]
     return {prog.name: variant.target(prog) for prog in variant.experiments} | {
@@ -51,6 +53,12 @@ def value_parts(p: Problem, K: int, V: int) -> int:
     return K // program_config(p, "bwd", K, "dqkvg").get("BK", K)
 
 
+def v_twin(targets: dict[str, str], name: str, K: int, V: int) -> str:
+    """The program of kind `name` for head dims K, V (`targets`: the variant's): `name`, or at V != K its twin that
+    takes V on its grid where `name` takes V = K alone (`<name>_v`: the gated ops' backward)."""
+    return f"{name}_v" if V != K and f"{name}_v" in targets else name
+
+
 def state_programs(N: int, H: int, V: int) -> int:
     """The forward state pass's programs: one per V block of 64, sequence and (value) head."""
     return N * H * max(1, V // 64)
@@ -80,7 +88,7 @@ def stores_gate_rows(p: Problem, K: int) -> bool:
     return p.op != "gla" and all(program_config(p, d, K, name).get("g_rows", False) for d, name in (("fwd", "fused_h"), ("bwd", "dh")))
 
 
-def forward_split_pieces(p: Problem, *, gradient: bool, varlen: bool, B: int, H: int, V: int, nt: int) -> int:
+def forward_split_pieces(p: Problem, *, gradient: bool, varlen: bool, B: int, H: int, K: int, V: int, nt: int) -> int:
     """Simple GLA's forward with no gradient on dense input (`simple_gla.split_forward`): in how many pieces its
     state pass walks each of B sequences of nt chunks (`Config.split_programs`), a power of two dividing nt. 1
     (no split) for the other ops, under a gradient (the backward takes h from one pass: the state passes' own
@@ -180,11 +188,10 @@ class Plan:
 
 def plan(p: Problem, *, K: int, V: int, N: int, HV: int, nt: int, l2norm: bool, varlen: bool) -> Plan:
     """The planner's choices for a call of N sequences (rows, or varlen sequences) of nt chunks each on average,
-    HV value heads, at the square programs' head dims K = V (after `fla_jax._tiling`)."""
-    del V  # (variants have K = V)
+    HV value heads, at the programs' head dims K, V (after `fla_jax._tiling`)."""
     fwd, bwd = targets(p, "fwd", K, K), targets(p, "bwd", K, K)
-    P_split = forward_split_pieces(p, gradient=False, varlen=varlen, B=N, H=HV, V=K, nt=nt)
-    P_step = pieces(p, N, HV, K, nt)
+    P_split = forward_split_pieces(p, gradient=False, varlen=varlen, B=N, H=HV, K=K, V=V, nt=nt)
+    P_step = pieces(p, N, HV, V, nt)
     P_fwd = P_split if P_split > 1 else P_step
     if p.delta:
         if delta_forward_from_inverse(p, K, False):
@@ -202,8 +209,8 @@ def plan(p: Problem, *, K: int, V: int, N: int, HV: int, nt: int, l2norm: bool, 
     else:  # (under a gradient the pieces' passes that carry states alone store no h: `fused`)
         carry = ("fused",) if P_step > 1 else ()
         if p.op == "gla":
-            forward, training = ("a", "fused"), ("a", *carry, "fused_h", "dh", "dqkvg")
+            forward, training = ("a", "fused"), ("a", *carry, "fused_h", v_twin(bwd, "dh", K, V), v_twin(bwd, "dqkvg", K, V))
         else:
             forward = ("fused", "enter") if P_split > 1 else ("fused",)
-            training = (*carry, "fused_h", "dh", "dqkvg")
+            training = (*carry, "fused_h", v_twin(bwd, "dh", K, V), v_twin(bwd, "dqkvg", K, V))
     return Plan(forward_pieces=P_fwd, training_pieces=P_step, forward=forward, training=training)

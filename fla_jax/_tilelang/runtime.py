@@ -49,11 +49,21 @@ class Param(NamedTuple):
 
 class Interface(NamedTuple):
     """A program's parameters as the build recorded them from its prim_func (build.py `interface`): inputs and
-    outputs in the order the FFI handler takes them, and the scalar attributes by name."""
+    outputs in the order the FFI handler takes them, the scalar attributes by name, and `(symbol, m)` for each
+    symbol that must be a multiple of m (V, for a program that takes V on its grid)."""
 
     inputs: tuple[Param, ...]
     outputs: tuple[Param, ...]
     attrs: tuple[str, ...]
+    multiple_of: tuple[tuple[str, int], ...] = ()
+
+    def bind(self, args) -> dict:
+        """`args` given in the order of the inputs, by name (as `call` takes them): for tests and benchmarks that
+        hold a program's inputs as a tuple."""
+        names = [q.name for q in self.inputs]
+        if len(args) != len(names):
+            raise TypeError(f"the program takes {len(names)} inputs {names}, got {len(args)}")
+        return dict(zip(names, args))
 
     def check(self, target: str, results, named: dict) -> None:
         """Refuses, at trace time and naming the program and the argument, a call whose named arguments are not
@@ -75,6 +85,9 @@ class Interface(NamedTuple):
                 if got != want_d:
                     raise ValueError(f"{target}: `{q.name}` dim {d} must be {q.shape[d]} = {want_d}, got {got} "
                                      f"(shape {tuple(x.shape)})")
+        for symbol, m in self.multiple_of:
+            if bound.get(symbol, 0) % m:
+                raise ValueError(f"{target}: {symbol} = {bound[symbol]} must be a multiple of {m}")
 
 
 @functools.cache
@@ -85,8 +98,8 @@ def interfaces() -> dict[str, Interface]:
     if not hasattr(_ext, "interfaces"):  # (built before the extension carried them)
         raise RuntimeError("fla_jax._ext predates the programs' interfaces: rebuild it with `python build.py`")
     param = lambda q: Param(q[0], q[1], tuple(q[2]))
-    return {t: Interface(tuple(map(param, d["inputs"])), tuple(map(param, d["outputs"])), tuple(a[0] for a in d["attrs"]))
-            for t, d in json.loads(_ext.interfaces()).items()}
+    return {t: Interface(tuple(map(param, d["inputs"])), tuple(map(param, d["outputs"])), tuple(a[0] for a in d["attrs"]),
+                         tuple(d.get("multiple_of", {}).items())) for t, d in json.loads(_ext.interfaces()).items()}
 
 
 def call(p: Problem, target: str, results, *, init=None, **named):

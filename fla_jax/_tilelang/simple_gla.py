@@ -33,7 +33,7 @@ def forward(c: common.Chunks):
     if c.store_rows:  # (for this pass and the backward's)
         grows = gate_rows()
     ins = dict(q=qf, k=kf, v=vf, g=graw if scan else common.gates_for(c.p, "fwd", c.K, name, G, c.C, grows))
-    pieces = plan.forward_split_pieces(c.p, gradient=c.store_h, varlen=bool(c.tables), B=c.B, H=c.HV, V=c.V, nt=c.NT // c.B)
+    pieces = plan.forward_split_pieces(c.p, gradient=c.store_h, varlen=bool(c.tables), B=c.B, H=c.HV, K=c.K, V=c.V, nt=c.NT // c.B)
     if pieces > 1:
         return split_forward(c.p, pieces, c.scale, c.targets(), ins, c.h0, gate_rows(), c.B, c.C)
     light = None
@@ -89,13 +89,15 @@ def backward(b: common.Reverse, G=None, q=None, stored=None):
         Gf, qd = G.reshape(Gf.shape), q.reshape(qf.shape)
     else:
         qd = qf
-    gates = Gf if gla else common.gates_for(p, "bwd", K, "dh", Gf, C, b.grows)  # (as the reverse pass takes them)
+    V = vf.shape[-1]
+    gates = Gf if gla else common.gates_for(p, "bwd", K, plan.v_twin(b.bwd, "dh", K, V), Gf, C, b.grows)  # (as the reverse pass takes them)
     dh, dh0 = common.reverse_pass(b, dict(q=qd, do=b.dof, g=gates), totals=chunk_sums(Gf, C))
     a = {n: x.reshape(-1, *x.shape[2:]) for n, x in stored.items()}
+    name = plan.v_twin(b.bwd, "dqkvg", K, V)
     if not gla:  # (G as the consumer takes it)
-        gates = common.gates_for(p, "bwd", K, "dqkvg", Gf, C, b.grows)
+        gates = common.gates_for(p, "bwd", K, name, Gf, C, b.grows)
     like = common.like
-    grads = common.consumer(p, b.bwd["dqkvg"], (like(qf), like(kf), like(vf), like(Gf)), q=qf, k=kf, v=vf, g=gates, **a, h=b.hf,
+    grads = common.consumer(p, b.bwd[name], (like(qf), like(kf), like(vf), like(Gf)), q=qf, k=kf, v=vf, g=gates, **a, h=b.hf,
                             do=b.dof, dh=dh, scale=b.s)
     if not gla:  # G's gradient -> the gates' per step
         grads = (*grads[:3], common.in_chunk_cumsum(p, grads[3], C, reverse=True))

@@ -25,14 +25,15 @@ in-chunk cumulative log gates per key channel, float32), plus what the forward s
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once
+from kernels.common import arrive_once, v_tile, v_tile_assumed
 from kernels.gla.fwd import chunk_span, half_limit
 
 NS = 16  # sub-chunk rows
 
 
 def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | None = None, threads: int = 128,
-                        stages: int = 1, bounded: bool | None = None, BK: int | None = None, tma_loads: bool = True):
+                        stages: int = 1, bounded: bool | None = None, BK: int | None = None, tma_loads: bool = True,
+                        grid_v: bool = False):
     """`bounded` (the default): a chunk of bounded gate range (`kernels.gla.fwd.chunk_span` below
     `half_limit(dtype)`) takes the intra-chunk dq and dk as one chunk-wide GEMM each, referenced
     to the middle row m: `dq = exp(G - G_m) (scale exp(G_m) P + dA (k exp(G_m - G)))` and
@@ -44,7 +45,7 @@ def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | N
     a channel need only that channel's q, k, G, h and dh rows (and dA, which each program forms
     from do and v), so each program is the unsplit one at K = BK; dv sums over all channels, so
     each writes its part in float32, `dv [K / BK, L, H, V]` (the first adds `A^T do`), and the
-    caller sums the parts."""
+    caller sums the parts. `grid_v`: V read off the buffers, any multiple of BV, its blocks looped over."""
     BK = BK or K
     split = BK < K
     bounded = BK <= 128 if bounded is None else bounded
@@ -52,6 +53,7 @@ def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | N
     m = BT // 2
     BV = BV or (32 if BK > 128 else 64)  # K = 256 unsplit: 64 would need 256 KB of shared memory
     L, H, NT = T.dynamic("L, H, NT")
+    V = T.dynamic("V") if grid_v else V  # (one program for every V that is a multiple of BV)
     acc = "float32"
     NV = V // BV
     nsub = BT // NS
@@ -128,6 +130,8 @@ def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | N
 
     @T.macro
     def program(it, ih, ik, q, k, v, g, a, h, do, dh, scale, dq, dk, dv, dg):
+        if grid_v:
+            v_tile_assumed(V, BV)
         t0 = it * BT
         c0 = ik * BK  # this program's key channels
         q_s = T.alloc_shared((BT, BK), dtype)
@@ -253,4 +257,4 @@ def chunk_gla_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int | N
             with T.Kernel(NT, H, threads=threads) as (it, ih):
                 program(it, ih, 0, q, k, v, g, a, h, do, dh, scale, dq, dk, dv, dg)
 
-    return main
+    return v_tile(main, BV) if grid_v else main

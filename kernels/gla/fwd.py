@@ -25,7 +25,7 @@ as `g` (every `G` is <= 0 and decreasing within a chunk).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
-from kernels.common import arrive_once, initial_state, program, publish_state, stage_loads
+from kernels.common import arrive_once, initial_state, program, publish_state, stage_loads, v_tile, v_tile_assumed
 
 NS = 16  # sub-chunk rows
 
@@ -227,7 +227,8 @@ def chunk_gla_a(*, K: int, V: int, dtype: str, BT: int = 64, threads: int = 128,
     return main
 
 
-def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None, store_h: bool = False):
+def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int | None = None, store_h: bool = False,
+                  grid_v: bool = False):
     """The state pass, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
@@ -241,14 +242,17 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
     `qg = q exp(G)` and `kg = k exp(G_C - G)` come from `chunk_gla_a`, rounded to the input dtype
     as the GEMMs take them, so this pass reads neither q, k nor the float32 gates of every row.
     Three stages where they fit (K <= 128; 0.093 against 0.106 ms for two at 4,4096,16,128 bf16
-    on an H200), else two."""
+    on an H200), else two. `grid_v`: V read off the buffers, any multiple of BV."""
     stages = stages or (3 if K <= 128 else 2)
     L, H, N, NT, N0 = T.dynamic("L, H, N, NT, N0")  # (N0: the initial states' rows, none where the call has none)
+    V = T.dynamic("V") if grid_v else V  # (one program for every V that is a multiple of BV)
     acc = "float32"
 
     @T.macro
     def body(qg, kg, v, g, a, h0, cstart, ccount, scale, o, ht, h):
         with T.Kernel(T.ceildiv(V, BV), N * H, threads=384) as (iv, inh):
+            if grid_v:
+                v_tile_assumed(V, BV)
             n = inh // H
             ih = inh % H
             kg_s = T.alloc_shared((stages, BT, K), dtype)
@@ -309,4 +313,5 @@ def chunk_gla_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, sta
                    o=T.Tensor((L, H, V), dtype), h=T.Tensor((NT, H, K, V), dtype) if store_h else None,
                    ht=T.Tensor((N, H, K, V), acc))
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
-    return main.with_attr("fla.disable_shared_memory_reuse", 1)
+    main = main.with_attr("fla.disable_shared_memory_reuse", 1)
+    return v_tile(main, BV) if grid_v else main

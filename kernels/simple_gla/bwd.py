@@ -27,11 +27,13 @@ from kernels.common import (
     initial_state,
     program,
     stage_loads,
+    v_tile,
+    v_tile_assumed,
 )
 
 
 def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, channel_gates: bool = False,
-                 g_rows: bool = False):
+                 g_rows: bool = False, grid_v: bool = False):
     """The reverse state-gradient pass, warp-specialized: per (V block, sequence * head) program a
     producer warpgroup streams q, do (TMA) and the gates into `stages` buffers, and warpgroup 0
     keeps `dS` in registers: it stores `dS` (input dtype, by a TMA store that runs while it
@@ -44,15 +46,18 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
     (the pass starts from zeros) or the call has no initial state (dh0 is not written).
     `g_rows` (scalar gates): G arrives as per-chunk rows `[NT, H, BT]`, loaded by TMA with the
     stage, not by the loading warpgroup's threads (whose loads the next chunk's copies wait out:
-    see simple GLA's forward, `kernels/README.md`)."""
+    see simple GLA's forward, `kernels/README.md`). `grid_v`: V read off the buffers."""
     if g_rows and channel_gates:
         raise ValueError("chunk_bwd_dh: g_rows is for scalar gates")
     L, H, N, NT, ND, N0 = T.dynamic("L, H, N, NT, ND, N0")
+    V = T.dynamic("V") if grid_v else V  # (one program for every V that is a multiple of BV)
     acc = "float32"
 
     @T.macro
     def body(q, do, g, dht, cstart, ccount, scale, dh, dh0):
         with T.Kernel(T.ceildiv(V, BV), N * H, threads=256) as (iv, inh):
+            if grid_v:
+                v_tile_assumed(V, BV)
             n = inh // H
             ih = inh % H
             q_s = T.alloc_shared((stages, BT, K), dtype)
@@ -123,12 +128,14 @@ def chunk_bwd_dh(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stag
         body(q, do, g, dht, cstart, ccount, scale, dh, dh0)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
-    return main.with_attr("fla.disable_shared_memory_reuse", 1)
+    main = main.with_attr("fla.disable_shared_memory_reuse", 1)
+    return v_tile(main, BV) if grid_v else main
 
 
 def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, threads: int | None = None,
                     stages: int | None = None, delta: bool = False, BK: int | None = None, tma_qk: bool = True,
-                    specialized: bool = True, l2norm: bool = False, no_dv: bool = False, g_rows: bool = False):
+                    specialized: bool = True, l2norm: bool = False, no_dv: bool = False, g_rows: bool = False,
+                    grid_v: bool = False):
     """`BK` < K splits the key channels over `K / BK` programs per (chunk, head), each the
     unsplit program at K = BK: dq and dk of a channel need only its q, k, h and dh rows (and dS,
     which each program forms from do and v). What sums over all channels is written in float32
@@ -159,7 +166,8 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     block that formed dv; the outputs are dq, dk, dg.
 
     `g_rows` (with `tma_qk`): G (and `rq`) as per-chunk rows, `g [NT, heads, BT]` (`rq [NT, H, BT]`), loaded
-    by TMA with q and k, not each chunk's column by each thread."""
+    by TMA with q and k, not each chunk's column by each thread. `grid_v`: V read off the buffers, any multiple
+    of BV, its blocks looped over."""
     BK = BK or K
     split = BK < K
     assert not (l2norm and split), "l2norm needs whole rows of dq"
@@ -171,6 +179,7 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
     # pipelined, measured 0.415 against 0.412 ms; on the delta rules' v_new 0.577 against 0.579)
     stages = stages or (2 if BK <= 128 else 1)
     L, H, HV, NT = T.dynamic("L, H, HV, NT")
+    V = T.dynamic("V") if grid_v else V  # (one program for every V that is a multiple of BV)
     acc = "float32"
     NV = V // BV
     threads = threads or 128
@@ -180,6 +189,8 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
 
     @T.macro
     def body(it, ihv, ik, q, k, v, g, h, do, dh, rq, scale, dq, dk, dv, dg):
+        if grid_v:
+            v_tile_assumed(V, BV)
         ih = ihv // group
         c0 = ik * BK  # this program's key channels
         q_s = T.alloc_shared((BT, BK), dtype)
@@ -317,5 +328,6 @@ def chunk_bwd_dqkvg(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, t
                    dv=None if no_dv else T.Tensor((*parts, L, heads, V), acc if split else dtype),
                    dg=T.Tensor((*parts, L, heads), acc))
 
+    main = v_tile(main, BV) if grid_v else main
     # (build.py reads the attribute into the lowering's pass config)
     return main if specialized else main.with_attr("fla.disable_warp_specialized", 1)

@@ -30,6 +30,8 @@ from kernels.common import (
     program,
     publish_state,
     stage_loads,
+    v_tile,
+    v_tile_assumed,
 )
 
 
@@ -82,7 +84,7 @@ def _state_update(b_h, k_s, v_s, g_s, vd_s, free, slot, fv=None, v_r=None):
 
 
 def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
-              g_rows: bool = False, g_scan: bool = False):
+              g_rows: bool = False, g_scan: bool = False, grid_v: bool = False):
     """The one-pass forward, warp-specialized (jla's and FlashQLA's structure): three warpgroups per
     (V block, sequence * head) program.
 
@@ -94,13 +96,16 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
       then `o = scale (q * exp(G)) S + P v` from the published state, and stores it.
 
     `g_scan`: g holds the gates per step, which warpgroup 2 sums within each chunk as it loads them
-    (`kernels.common.gate_scan_load`)."""
+    (`kernels.common.gate_scan_load`). `grid_v`: V read off the buffers, any multiple of BV."""
     L, H, N, NT = T.dynamic("L, H, N, NT")
+    V = T.dynamic("V") if grid_v else V  # (one program for every V that is a multiple of BV)
     acc = "float32"
 
     @T.macro
     def body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h):
         with T.Kernel(T.ceildiv(V, BV), N * H, threads=384) as (iv, inh):
+            if grid_v:
+                v_tile_assumed(V, BV)
             n = inh // H
             ih = inh % H
             q_s = T.alloc_shared((stages, BT, K), dtype)
@@ -142,12 +147,13 @@ def chunk_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages:
                                  stages, t0, ih, iv, scale, False, i)
 
     # the warpgroups' buffers are live at once: no reuse of one's shared memory by another's
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT), g_rows=g_rows).with_attr("fla.disable_shared_memory_reuse", 1)
+    func = _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT), g_rows=g_rows).with_attr("fla.disable_shared_memory_reuse", 1)
+    return v_tile(func, BV) if grid_v else func
 
 
 def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, stages: int = 2, store_h: bool = False,
                    g_rows: bool = False, row_factors: bool = False, g_scan: bool = False, transposed: bool = False,
-                   p_regs: bool = False):
+                   p_regs: bool = False, grid_v: bool = False):
     """`chunk_fwd` with two output warpgroups taking alternate chunks (512 threads): warpgroup 3
     streams the loads into `stages` stages, warpgroup 0 runs the state chain and publishes chunk i's
     state into buffer `i % 2`, warpgroup 1 + (i % 2) forms chunk i's output from stage `i % stages`
@@ -167,12 +173,15 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
     if transposed and store_h:
         raise ValueError("chunk_fwd_2out(transposed=True) is written without store_h")
     L, H, N, NT = T.dynamic("L, H, N, NT")
+    V = T.dynamic("V") if grid_v else V  # (one program for every V that is a multiple of BV)
     acc = "float32"
     st = (BV, K) if transposed else (K, BV)  # the state's tiles: S^T or S
 
     @T.macro
     def body(q, k, v, g, h0, cstart, ccount, scale, o, ht, h):
         with T.Kernel(T.ceildiv(V, BV), N * H, threads=512) as (iv, inh):
+            if grid_v:
+                v_tile_assumed(V, BV)
             n = inh // H
             ih = inh % H
             q_s = T.alloc_shared((stages, BT, K), dtype)
@@ -240,7 +249,8 @@ def chunk_fwd_2out(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, st
                         output_chunk(q_s, k_s, g_s, h_s, v_s[slot, :, :], p_s, acc_s, acc_o, o_s, o, full, free, s_ready, s_free,
                                      2 * j + w, slot, stages, t0, ih, iv, scale, False, j, state_t=transposed)
 
-    return _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT), g_rows=g_rows).with_attr("fla.disable_shared_memory_reuse", 1)
+    func = _prim_func(body, K=K, V=V, dtype=dtype, store_h=store_h, dims=(L, H, N, NT), g_rows=g_rows).with_attr("fla.disable_shared_memory_reuse", 1)
+    return v_tile(func, BV) if grid_v else func
 
 
 def chunk_fwd_enter(*, K: int, V: int, dtype: str, BT: int = 64, CG: int = 8, stages: int | None = None):
