@@ -18,7 +18,7 @@ from fla_jax._variants import find as find_variant
 def targets(p: Problem, direction: str, K: int, V: int) -> dict[str, str]:
     """{program name: FFI target} of one variant, each kind's the program that runs (`program`):
     also a kind that only an experiment put in place by `Config.experiments` provides there. The variants are
-    per K (their head_v = K); V is that of the call (simple GLA's programs take it on their grid)."""
+    per K (their head_v = K); V is that of the call (the gated ops' programs take it on their grid)."""
     del V
     variant = find_variant("delta" if p.delta else p.op, direction, p.dtype, K, K)
     kinds = [prog.name for prog in variant.programs]
