@@ -121,6 +121,10 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
             yield f"xla:local_vjp:{name}", local(prec), (f32(q), f32(k), f32(w), f32(u), G, h, f32(do), f32(h))
             yield f"xla:wy_vjp:{name}", jax.jit(lambda *a, prec=prec: delta.wy_vjp(at(prec), 64, *a)), (Tm, k, v, G, beta, dw, du)
     calls |= {f"{n}_v": calls[n] for n in ("dh", "dqkvg")}  # (the twins taking V on their grid: here at V = K)
+    # the recurrent ops' step program: the rows walked token by token, inputs `[B, T, H, .]`, gates per step
+    rows = lambda a: a.reshape(B, T, *a.shape[1:])
+    step_in = (rows(q), rows(k), rows(v), rows(gk if op == "gla" else steps.reshape(B * T, H)), *((rows(beta),) if op == "delta" else ()), h0)
+    calls["step"] = ((like(rows(v)), final), step_in, {"scale": s, "l2norm": np.int32(op == "delta")})
     for direction in ("fwd", "bwd"):
         variant = tb._find_variant(op, direction, dtype, D, D)
         for prog in variant.declared:

@@ -1,8 +1,9 @@
 """Times one decode step of the recurrent ops (T = 1, the state carried, donated so it updates in place)
 against the bytes the step must move: the float32 state read and written once, `2 B H K V 4` bytes, plus
-q, k, v and the gates; and against jla 0.1.0's step (`jla.ops.linear_attention` at T = 1 with the state,
-what its layers' `step` runs), both in one process, interleaved rounds, medians. A step is timed inside one
-jitted loop of `--steps` steps (as generation runs it: no host dispatch a token). Prints ms a step and the
+q, k, v and the gates; against jla 0.1.0's step (`jla.ops.linear_attention` at T = 1 with the state, what
+its layers' `step` runs) and against our XLA step (`backend="xla"`), in one process, interleaved rounds,
+medians. `fla_jax` is what "auto" runs: the step program on a Hopper GPU. A step is timed inside one jitted
+loop of `--steps` steps (as generation runs it: no host dispatch a token). Prints ms a step and the
 achieved bandwidth.
 
     python benchmarks/decode.py --ops gdn,simple_gla --batches 1,8,64 --dims 16x128x128,8x256x512
@@ -34,18 +35,19 @@ def loop(step, n: int):
     return jax.jit(f, donate_argnums=0)
 
 
-def step_fn(op: str):
-    """`(state, q, k, v, g, beta) -> (o, state)` of one op's decode step."""
+def step_fn(op: str, backend: str = "auto"):
+    """`(state, q, k, v, g, beta) -> (o, state)` of one op's decode step on `backend` ("auto": the step program
+    where the kernels run)."""
     def f(state, q, k, v, g, beta):
+        kw = dict(initial_state=state, output_final_state=True, backend=backend)
         if op == "gated_delta_rule":
-            o, s = fla_jax.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=state, output_final_state=True,
-                                                            use_qk_l2norm_in_kernel=True)
+            o, s = fla_jax.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, use_qk_l2norm_in_kernel=True, **kw)
         elif op == "delta_rule":
-            o, s = fla_jax.fused_recurrent_delta_rule(q, k, v, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            o, s = fla_jax.fused_recurrent_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True, **kw)
         elif op == "simple_gla":
-            o, s = fla_jax.fused_recurrent_simple_gla(q, k, v, g, initial_state=state, output_final_state=True)
+            o, s = fla_jax.fused_recurrent_simple_gla(q, k, v, g, **kw)
         else:
-            o, s = fla_jax.fused_recurrent_gla(q, k, v, jnp.broadcast_to(g[..., None], q.shape), initial_state=state, output_final_state=True)
+            o, s = fla_jax.fused_recurrent_gla(q, k, v, jnp.broadcast_to(g[..., None], q.shape), **kw)
         return o, s
     return f
 
@@ -73,7 +75,7 @@ def bench(op: str, B: int, H: int, K: int, V: int, steps: int, reps: int = 7) ->
     q, k, v = bf(B, 1, H, K), bf(B, 1, H, K), bf(B, 1, H, V)
     g = jnp.asarray(-rng.uniform(0, 0.1, (B, 1, H)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0, 1, (B, 1, H)), jnp.float32)
-    fns = {"fla_jax": step_fn(op), "jla": jla_step_fn(op)}
+    fns = {"fla_jax": step_fn(op), "fla_jax:xla": step_fn(op, "xla"), "jla": jla_step_fn(op)}
     fns = {name: loop(f, steps) for name, f in fns.items() if f is not None}
     states = {name: jnp.zeros((B, H, K, V), jnp.float32) for name in fns}
     for name, f in fns.items():
@@ -103,8 +105,8 @@ def main():
     ap.add_argument("--steps", type=int, default=256, help="steps in the timed loop")
     args = ap.parse_args()
     print(f"device: {jax.devices()[0].device_kind}")
-    print("| op | B | H,K,V | bytes a step | fla_jax ms (GB/s) | jla ms (GB/s) | speedup |")
-    print("|---|---|---|---|---|---|---|")
+    print("| op | B | H,K,V | bytes a step | fla_jax ms (GB/s) | fla_jax:xla ms (GB/s) | jla ms (GB/s) | vs jla | vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for op in args.ops.split(","):
         for dims in args.dims.split(","):
             H, K, V = map(int, dims.split("x"))
@@ -112,8 +114,9 @@ def main():
                 ms = bench(OPS[op], B, H, K, V, args.steps)
                 moved = moved_bytes(B, H, K, V)
                 cell = lambda n: f"{ms[n]:.4f} ({moved / (ms[n] * 1e-3) / 1e9:.0f})" if n in ms else "-"
-                ratio = f"{ms['jla'] / ms['fla_jax']:.2f}x" if "jla" in ms else "-"
-                print(f"| {op} | {B} | {H},{K},{V} | {moved / 1e6:.1f} MB | {cell('fla_jax')} | {cell('jla')} | {ratio} |", flush=True)
+                ratio = lambda n: f"{ms[n] / ms['fla_jax']:.2f}x" if n in ms else "-"
+                print(f"| {op} | {B} | {H},{K},{V} | {moved / 1e6:.1f} MB | {cell('fla_jax')} | {cell('fla_jax:xla')} | {cell('jla')} | "
+                      f"{ratio('jla')} | {ratio('fla_jax:xla')} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ def _expr(s, dims):
                     {"floordiv": lambda a, b: a // b, "int": int}, dims))
 
 
-def _fill(name, dtype, shape, rng, T, per_chunk=False):
-    """Random contents of one parameter; `per_chunk`: its first dim is the chunk index (`NT`)."""
+def _fill(name, dtype, shape, rng, T, per_chunk=False, per_step=False):
+    """Random contents of one parameter; `per_chunk`: its first dim is the chunk index (`NT`); `per_step`: a
+    `[B, T, ...]` buffer of the step programs (gates per step, not summed)."""
     n = int(np.prod(shape)) if shape else 1
     if name in ("cstart", "first"):
         return np.arange(shape[0], dtype=np.int32) * (T // 64)
@@ -116,6 +117,8 @@ def _fill(name, dtype, shape, rng, T, per_chunk=False):
         return np.full(shape, T // 64, np.int32)
     if dtype == "int32":
         return np.zeros(shape, np.int32)
+    if name == "g" and per_step:
+        return (-np.abs(rng.standard_normal(shape)) * 0.1).astype(np.float32)
     if name == "g" and per_chunk and dtype == "float32":  # the same as per-chunk rows [NT, H, 64]
         return np.cumsum(-np.abs(rng.standard_normal(shape)) * 0.1, -1).astype(np.float32)
     if name in ("g", "gc") and dtype == "float32" and len(shape) >= 2:  # in-chunk cumulative log decays
@@ -148,7 +151,7 @@ def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: i
     # (NS, M: simple GLA's `enter`, one piece per sequence, the whole sequence; N0, ND: h0 / dh0 and dht, a row each;
     # V, where a program takes it on its grid: the variant's)
     dims = {"d_L": B * T, "d_H": H, "d_HV": H, "d_NT": B * T // 64, "d_N": B, "d_N0": B, "d_ND": B, "d_R": B * T, "d_NS": B,
-            "d_M": T // 64, "d_V": int(re.search(r"_v(\d+)_c\d+_", target)[1])}
+            "d_M": T // 64, "d_V": int(re.search(r"_v(\d+)_c\d+_", target)[1]), "d_B": B, "d_T": T}
     sym = {k[2:]: v for k, v in dims.items()}
     ptrs, scalars = {}, {}
     for p in meta["params"]:
@@ -157,7 +160,8 @@ def prepare(drv, gen: pathlib.Path, target: str, B: int, T: int, H: int, seed: i
                 0.088 if p["name"] == "scale" else 1)
             continue
         shape = tuple(sym[s] if isinstance(s, str) else s for s in p["shape"])
-        ptrs[p["name"]] = drv.upload(_fill(p["name"], p["dtype"], shape, rng, T, per_chunk=p["shape"][:1] == ["NT"]))
+        ptrs[p["name"]] = drv.upload(_fill(p["name"], p["dtype"], shape, rng, T, per_chunk=p["shape"][:1] == ["NT"],
+                                           per_step=p["shape"][:2] == ["B", "T"]))
     maps = {}
     for name, d in meta["descs"].items():
         ev = lambda xs: [_expr(x, dims) for x in xs]

@@ -45,7 +45,8 @@ class Explanation:
         if self.kernels_take_it:
             where = "" if self.backend == "tilelang" else " on a Hopper GPU with the extension built"
             lines.append(f"  head dims: {self.tiling}")
-            lines.append(f"  planner: {self.plan}")
+            if self.plan is not None:
+                lines.append(f"  planner: {self.plan}")
             lines.append(f"  kernels{where}: forward {', '.join(self.forward)}")
             lines.append(f"  kernels{where}: training step {', '.join(self.training)}")
         return "\n".join(lines)
@@ -55,7 +56,7 @@ def explain(fn, *args, **kwargs) -> Explanation:
     """Says which backend `fn(*args, **kwargs)` runs on and, where the kernels take it, which kernel
     programs its forward and its training step launch; where it falls to XLA, why.
 
-    `fn` is one of the public ops; arguments as for it (arrays or `jax.ShapeDtypeStruct`s). Nothing is
+    `fn` is one of the public ops (the chunk ops and the recurrent ops); arguments as for it (arrays or `jax.ShapeDtypeStruct`s). Nothing is
     computed: the call is traced, and lowered for CUDA where the kernels take it.
 
     >>> print(fla_jax.explain(fla_jax.chunk_gated_delta_rule, q, k, v, g, beta, use_qk_l2norm_in_kernel=True))
@@ -71,6 +72,8 @@ def explain(fn, *args, **kwargs) -> Explanation:
     if len(plans) != 1:
         raise ValueError(f"`fn` must be one of fla_jax's ops (one op call), got {getattr(fn, '__name__', fn)!r}")
     plan = plans[0]
+    if "recurrent" in plan:
+        return _recurrent(plan)
     problem, call = plan["problem"], plan["call"]
     coverage = tilelang_backend.unsupported(problem, **call, installed=False)
     _, here = tilelang_backend.status()
@@ -88,6 +91,21 @@ def explain(fn, *args, **kwargs) -> Explanation:
         tiling = str(tilelang_backend.tiling(problem, call["K"], call["V"]))
         chosen = planned(plan)
     return Explanation(getattr(fn, "__name__", str(fn)), plan["backend"], coverage is None, reason, forward, training, tiling, chosen)
+
+
+def _recurrent(plan) -> Explanation:
+    """A recurrent op's call (`fla_jax.fused_recurrent_*`): the step program, or XLA's scan and why."""
+    asked = plan["asked"]
+    if plan["backend"] == "tilelang":
+        reason = None
+    elif not isinstance(asked, str) or asked != "auto":
+        reason = f"backend {asked!r} was asked for"
+    else:
+        reason = plan["here"]
+    take = plan["coverage"] is None
+    programs = (plan["target"],) if take else ()
+    return Explanation(plan["recurrent"], plan["backend"], take, reason, programs, programs,
+                       "K and V as they are (the step program takes V on its grid; its gradient is XLA's)" if take else None)
 
 
 def planned(plan) -> _planner.Plan:

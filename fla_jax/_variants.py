@@ -108,6 +108,11 @@ WY_T_L2: Final = (("store_t", True), ("l2norm", True))
 # Held to the registers that let eight programs share an SM (`min_blocks`).
 MB8: Final = (("min_blocks", 8),)
 
+# The recurrent ops' token steps on a dense batch (`fla_jax.fused_recurrent_*`, a decode step is T = 1): each state read
+# and written once (`kernels/recurrent/step.py`); simple GLA's with a scalar gate, GLA's with a gate per key channel,
+# the delta rules' with a scalar gate.
+STEP: Final = dict(name="step", module="recurrent.step", builder="step", outputs=("o", "ht"))
+
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
         # the state pass computing o on chip; at K <= 128 two output warpgroups on alternate chunks
@@ -122,6 +127,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 dims=(64, 256)),
         # the forward split into pieces (`Config.split_programs`): what the pieces' entering states add to o, in place
         Program(name="enter", module="simple_gla.fwd", builder="chunk_fwd_enter", outputs=("o",)),
+        Program(**STEP),
     ),
     ("delta", "fwd"): (
         # use_qk_l2norm_in_kernel where no other kernel folds it in: q and k normalised in one pass each (r = 1 / |x|,
@@ -174,6 +180,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 dims=(256,)),
         Program(name="fused_t_l2_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("l2norm", True), ("BV", 32)), dims=(64, 128)),
+        Program(**STEP, config=(("delta", True),)),
     ),
     ("delta", "bwd"): (
         # the reverse pass: warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit). Each
@@ -246,6 +253,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
         Program(name="a", module="gla.fwd", builder="chunk_gla_a", outputs=("a", "gc", "qg", "kg")),
         Program(name="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=GRID_V),
         Program(name="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"), config=(*GRID_V, ("store_h", True))),
+        Program(**STEP, config=(("gate_rows", True),)),
     ),
     ("gla", "bwd"): (
         # at V = K and, taking V on the grid, every other V (`<name>_v`), as simple GLA's

@@ -11,11 +11,15 @@ writes each state once. `reverse` (simple GLA, GLA) walks the tokens from the la
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fla_jax import _checks, _layout, _segments, ops
+from fla_jax import _backends, _checks, _layout, _segments, ops, tilelang_backend
+from fla_jax._tilelang import recurrent as _programs
 from fla_jax._problem import l2_normalise
 
 Array = jax.Array
@@ -100,10 +104,48 @@ def _scan(delta: bool, reverse: bool, h0, xs, seq=None):
     return jnp.moveaxis(o, 0, 1), (S if seq is None else ht)
 
 
+def _use_kernel(backend, name: str, why: str | None, usable: bool) -> bool:
+    """Whether `backend` runs the call on the step program (`why`: why it cannot, None where it can): "auto"
+    where it can (else XLA, with a `FallbackWarning` where the kernels run on this machine), "tilelang" or a
+    `TileLangConfig` always (an error naming the reason where it cannot), "xla" and "reference" never."""
+    if isinstance(backend, tilelang_backend.Config):
+        backend_name = "tilelang"
+    elif isinstance(backend, str) and backend in _backends.NAMES:
+        backend_name = backend
+    else:
+        raise ValueError(f"`backend` must be one of {_backends.NAMES} or a fla_jax.TileLangConfig, got {backend!r}")
+    if backend_name in ("xla", "reference"):
+        return False
+    if why is None:
+        return True
+    if backend_name == "tilelang":
+        raise _backends.BackendUnavailableError(f"backend 'tilelang' cannot run {name}: {why}")
+    if usable:  # (the kernels run on this machine, but not this call)
+        warnings.warn(f"fla_jax: {name} runs on the xla backend, not the TileLang step program: {why}", _backends.FallbackWarning,
+                      stacklevel=4)
+    return False
+
+
+def _dense(delta: bool, scale: float, l2norm: bool, q, k, v, g, beta, h0):
+    """What the step program computes, in XLA (its gradient is this function's VJP): a dense batch walked forwards
+    from `h0`, the inputs as `_programs.run` takes them."""
+    H, HV = q.shape[2], v.shape[2]
+    f32 = lambda x: x.astype(jnp.float32)
+    q, k = f32(q), f32(k)
+    if l2norm:
+        q, k = l2_normalise(q), l2_normalise(k)
+    q = q * jnp.float32(scale)
+    if HV != H:
+        q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
+    o, ht = _scan(delta, False, h0, (q, k, f32(v), g, None, beta))
+    return o.astype(v.dtype), ht
+
+
 def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_state, cu_seqlens, reverse=False, l2norm=False,
-         segment_ids=None):
-    """Checks what is common and runs `_scan` in float32 (float64 for float64 inputs); `segment_ids` as decays
-    of zero at each segment start (`fla_jax._segments`; with `reverse`, at each segment's last token)."""
+         segment_ids=None, backend="auto", name: str):
+    """Checks what is common and runs the TileLang step program (`_programs`) or `_scan` in float32 (float64 for
+    float64 inputs); `segment_ids` as decays of zero at each segment start (`fla_jax._segments`; with `reverse`,
+    at each segment's last token)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = _checks.scale(scale, K)
@@ -118,6 +160,23 @@ def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_sta
     h0 = _checks.initial_state(initial_state, N, HV, K, V, "[N, HV, K, V]" + (" (N = number of sequences)" if cu is not None else " (N = B)"))
     output_final_state = _checks.flag("output_final_state", output_final_state)
     reverse = _checks.flag("reverse", reverse)
+    op = "delta" if delta else "simple_gla" if gk is None or gk.ndim == 3 else "gla"
+    coverage = _programs.unsupported(op, dtype=str(q.dtype), K=K, V=V, varlen=cu is not None, reverse=reverse and T > 1,
+                                     gv=gv is not None, gate_rows=gk is not None and gk.ndim == 4)
+    usable, here = tilelang_backend.status()
+    why = coverage or here or _programs.missing(op, str(q.dtype), K, tilelang_backend.registered())
+    kernel = _use_kernel(backend, name, why, usable)
+    if (plans := ops.PLANS.get()) is not None:  # (`fla_jax.explain`)
+        plans.append({"recurrent": name, "backend": "tilelang" if kernel else "xla", "asked": backend, "coverage": coverage,
+                      "here": why, "target": _programs.program(op, str(q.dtype), K) if coverage is None else None})
+    if kernel:
+        g = jnp.zeros(v.shape[:3] if op != "gla" else q.shape, jnp.float32) if gk is None else gk.astype(jnp.float32)
+        beta = None if beta is None else beta.astype(jnp.float32)
+        h0 = jnp.zeros((B, HV, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+        fallback = functools.partial(_dense, delta, scale, l2norm)
+        o, ht = _programs.run(op, fallback, q, k, v, g, beta, h0, scale=scale, l2norm=l2norm,
+                          config=backend if isinstance(backend, tilelang_backend.Config) else None)
+        return o, (ht if output_final_state else None)
     cdt = jnp.promote_types(q.dtype, jnp.float32)
     f = lambda x: None if x is None else x.astype(cdt)
     q, k = f(q), f(k)
@@ -138,7 +197,7 @@ def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_sta
 def fused_recurrent_simple_gla(
     q: Array, k: Array, v: Array, g: Array | None = None, g_gamma: Array | None = None, scale: float | None = None,
     initial_state: Array | None = None, output_final_state: bool = False, reverse: bool = False, cu_seqlens: Array | None = None,
-    *, segment_ids: Array | None = None,
+    *, segment_ids: Array | None = None, backend: "str | tilelang_backend.Config" = "auto",
 ) -> tuple[Array, Array | None]:
     """Simple GLA token by token (fla's `fused_recurrent_simple_gla`); arguments as `chunk_simple_gla`'s, and
     `reverse`: walk the tokens from the last (the state then flows backwards in time; with `segment_ids`
@@ -146,13 +205,14 @@ def fused_recurrent_simple_gla(
     q, k, v = _checks.qkv(q, k, v, grouped=False)
     g = _checks.scalar_gate(g, g_gamma, *q.shape[:3])
     return _run(False, q, k, v, g, None, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, reverse=reverse, segment_ids=segment_ids)
+                cu_seqlens=cu_seqlens, reverse=reverse, segment_ids=segment_ids,
+                backend=backend, name="fused_recurrent_simple_gla")
 
 
 def fused_recurrent_gla(
     q: Array, k: Array, v: Array, gk: Array | None = None, gv: Array | None = None, scale: float | None = None,
     initial_state: Array | None = None, output_final_state: bool = False, reverse: bool = False, cu_seqlens: Array | None = None,
-    *, segment_ids: Array | None = None,
+    *, segment_ids: Array | None = None, backend: "str | tilelang_backend.Config" = "auto",
 ) -> tuple[Array, Array | None]:
     """GLA token by token (fla's `fused_recurrent_gla`): `gk [B, T, H, K]` decays the state's rows (the key
     channels, `chunk_gla`'s g), `gv [B, T, H, V]` its columns; either may be None. Other arguments as
@@ -161,13 +221,14 @@ def fused_recurrent_gla(
     gk = None if gk is None else _checks.gate("gk", gk, q.shape, "[B, T, H, K]")
     gv = None if gv is None else _checks.gate("gv", gv, v.shape, "[B, T, H, V]")
     return _run(False, q, k, v, gk, gv, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, reverse=reverse, segment_ids=segment_ids)
+                cu_seqlens=cu_seqlens, reverse=reverse, segment_ids=segment_ids,
+                backend=backend, name="fused_recurrent_gla")
 
 
 def fused_recurrent_delta_rule(
     q: Array, k: Array, v: Array, beta: Array | None = None, scale: float | None = None, initial_state: Array | None = None,
     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Array | None = None,
-    *, segment_ids: Array | None = None,
+    *, segment_ids: Array | None = None, backend: "str | tilelang_backend.Config" = "auto",
 ) -> tuple[Array, Array | None]:
     """The delta rule token by token (fla's `fused_recurrent_delta_rule`); beta None means ones, as in fla.
     Other arguments as `chunk_delta_rule`'s."""
@@ -175,7 +236,8 @@ def fused_recurrent_delta_rule(
     B, T, H, _ = q.shape
     beta = jnp.ones((B, T, H), jnp.float32) if beta is None else _checks.gate("beta", beta, (B, T, H), "[B, T, H]")
     return _run(True, q, k, v, None, None, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), segment_ids=segment_ids)
+                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), segment_ids=segment_ids,
+                backend=backend, name="fused_recurrent_delta_rule")
 
 
 def fused_recurrent_gated_delta_rule(
@@ -183,7 +245,7 @@ def fused_recurrent_gated_delta_rule(
     beta: Array | None = None, scale: float | None = None, initial_state: Array | None = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log: Array | None = None,
     dt_bias: Array | None = None, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
-    cu_seqlens: Array | None = None, segment_ids: Array | None = None,
+    cu_seqlens: Array | None = None, segment_ids: Array | None = None, backend: "str | tilelang_backend.Config" = "auto",
 ) -> tuple[Array, Array | None]:
     """GDN token by token (fla's `fused_recurrent_gated_delta_rule`): a scalar decay `g [B, T, HV]` and/or
     per key channel `gk [B, T, HV, K]` and per value channel `gv [B, T, HV, V]`; beta None means ones; the
@@ -208,4 +270,5 @@ def fused_recurrent_gated_delta_rule(
     if g is not None:  # (one decay of the rows: the scalar's and the per-channel one's together)
         gk = g if gk is None else gk + g[..., None]
     return _run(True, q, k, v, gk, gv, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), segment_ids=segment_ids)
+                cu_seqlens=cu_seqlens, l2norm=_checks.flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), segment_ids=segment_ids,
+                backend=backend, name="fused_recurrent_gated_delta_rule")

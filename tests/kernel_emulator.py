@@ -533,6 +533,39 @@ DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": d
                   "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2, "_grads": delta_bwd_grads, "_grads_l2": delta_bwd_grads_l2}
 
 
+def _token_steps(q, k, v, g, beta, h0, scale, l2norm):
+    """The step programs (`kernels/recurrent/step.py`): rows walked token by token from `h0 [B, HV, K, V]`; g a
+    scalar per (token, head) `[B, T, HV]` or per key channel `[B, T, HV, K]`; beta None (no delta rule)."""
+    HV, H = v.shape[2], q.shape[2]
+    q, k = q.astype(f32), k.astype(f32)
+    if l2norm:
+        q, k = (x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6) for x in (q, k))
+    q, k = jnp.repeat(q, HV // H, 2), jnp.repeat(k, HV // H, 2)
+
+    def token(S, x):
+        qt, kt, vt, gt, bt = x
+        S = S * (jnp.exp(gt)[..., None] if gt.ndim == 3 else jnp.exp(gt)[..., None, None])
+        u = vt if bt is None else bt[..., None] * (vt - jnp.einsum("bhkv,bhk->bhv", S, kt))
+        S = S + kt[..., :, None] * u[..., None, :]
+        return S, scale * jnp.einsum("bhkv,bhk->bhv", S, qt)
+
+    t_major = lambda x: None if x is None else jnp.moveaxis(x.astype(f32), 1, 0)
+    S, o = jax.lax.scan(token, h0, tuple(map(t_major, (q, k, v, g, beta))))
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), S
+
+
+def step(q, k, v, g, h0, *, scale, l2norm):
+    return _token_steps(q, k, v, g, None, h0, scale, l2norm)
+
+
+def delta_step(q, k, v, g, beta, h0, *, scale, l2norm):
+    return _token_steps(q, k, v, g, beta, h0, scale, l2norm)
+
+
+PROGRAMS["_step"] = GLA_PROGRAMS["_step"] = step
+DELTA_PROGRAMS["_step"] = delta_step
+
+
 def _programs():
     """Each built program by target name: its kind (the dispatched program's name, which an
     experiment stands in for) and its config."""

@@ -3,6 +3,8 @@ recurrence, token-by-token decoding against one call over the sequence, and thei
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,3 +188,119 @@ def test_recurrent_gdn_options_equal_the_chunk_op():
         fla_jax.fused_recurrent_gla(q, k, v, gv=g)
     with pytest.raises(TypeError, match="`reverse` must be a bool"):
         fla_jax.fused_recurrent_simple_gla(q, k, v, g, reverse=1)
+
+
+# The step programs (`kernels/recurrent/step.py`): every op, K 64 / 128 / 256, V any multiple of 32 (V != K), T = 1
+# (a decode step) and longer, grouped value heads, l2 norm, no initial state, strong decay, segment_ids.
+STEP_CASES = [
+    Case("simple_gla", 3, 1, 2, 64, 96, dtype="bfloat16", h0=True),
+    Case("simple_gla", 2, 70, 2, 128, 128, dtype="float16", h0=True, norm=0.1),
+    Case("simple_gla", 2, 5, 1, 128, 64, dtype="bfloat16", gate="g_gamma"),
+    Case("gla", 2, 1, 2, 128, 64, dtype="bfloat16", h0=True),
+    Case("gla", 1, 9, 2, 256, 512, dtype="bfloat16", h0=True, norm=0.1),
+    Case("delta_rule", 2, 1, 2, 128, 256, dtype="bfloat16", h0=True, l2norm=True),
+    Case("delta_rule", 2, 37, 1, 64, 64, dtype="bfloat16"),
+    Case("gated_delta_rule", 2, 1, 2, 128, 128, HV=4, dtype="bfloat16", h0=True, l2norm=True),
+    Case("gated_delta_rule", 1, 3, 1, 256, 512, HV=2, dtype="bfloat16", h0=True, l2norm=True, norm=0.1),
+    Case("gated_delta_rule", 2, 66, 2, 64, 128, dtype="float16", h0=True, l2norm=True),
+]
+
+
+def _step_against_float64(monkeypatch, case, backend, segments=False):
+    """The op on `backend` (which must run it on the step program) against the float64 recurrence: o, the final
+    state, every gradient (XLA's VJP of the same steps)."""
+    from fla_jax._tilelang import runtime
+
+    launched, launch = [], runtime.launch
+    monkeypatch.setattr(runtime, "launch", lambda p, target, *a: launched.append(target) or launch(p, target, *a))
+    diff, cot = make_inputs(case, 17)
+    extra = {}
+    if segments:  # (three segments a row; the reference runs the decays of zero they mean)
+        ids = jnp.asarray(np.repeat([[0, 1, 2]], case.B, 0).repeat(-(-case.T // 3), 1)[:, : case.T], jnp.int32)
+        extra["segment_ids"] = ids
+    op = RECURRENT[case.op]
+
+    def loss(d, backend=backend):
+        o, ht = op(**_kwargs(case, d), **extra, backend=backend)
+        return jnp.sum(o.astype(jnp.float32) * cot["do"]) + jnp.sum(ht * cot["dht"]), (o, ht)
+
+    if segments:  # the float64 recurrence with the segments' decays of zero (test_segments checks it against each alone)
+        ref_g, (ref_o, ref_ht) = jax.grad(functools.partial(loss, backend="xla"), has_aux=True)(
+            {n: x.astype(jnp.float64) for n, x in diff.items()})
+    else:
+        ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
+    grads, (o, ht) = jax.jit(jax.grad(loss, has_aux=True))(diff)
+    assert [t.rsplit("_c64_", 1)[1] for t in launched] == ["step"], launched
+    tol = {"bfloat16": 5e-3, "float16": 2e-3}[case.dtype]
+    errs = {"o": err_ratio(ref_o, o), "ht": err_ratio(ref_ht, ht)} | {"d" + n: err_ratio(ref_g[n], grads[n]) for n in diff}
+    assert o.dtype == diff["q"].dtype and ht.dtype == jnp.float32
+    assert all(e <= tol * (5 if n == "dg_gamma" else 1) for n, e in errs.items()), errs
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """The step programs emulated on the CPU (`tests/kernel_emulator.py`): the glue as it runs on a GPU."""
+    import kernel_emulator
+    from fla_jax import _variants, tilelang_backend
+    from fla_jax._tilelang import runtime
+
+    monkeypatch.setattr(runtime, "launch", kernel_emulator.launch)
+    monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
+    monkeypatch.setattr(tilelang_backend, "registered", lambda: [v.target(p) for v in _variants.VARIANTS for p in v.declared])
+
+
+@pytest.mark.parametrize("case", STEP_CASES[::3], ids=str)
+def test_step_program_glue_matches_float64(case, emulated, monkeypatch):
+    _step_against_float64(monkeypatch, case, fla_jax.TileLangConfig(poison_outputs=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", STEP_CASES, ids=str)
+def test_step_program_matches_float64(case, monkeypatch):
+    """On the GPU, outputs NaN-poisoned (an element the program leaves unwritten fails)."""
+    if not fla_jax.backends()["tilelang"].usable:
+        pytest.skip(str(fla_jax.backends()["tilelang"]))
+    _step_against_float64(monkeypatch, case, fla_jax.TileLangConfig(poison_outputs=True), segments=case.T > 3)
+
+
+def test_step_program_refusals_name_the_reason(emulated):
+    """"auto" runs what the step program cannot take on XLA and says why (`FallbackWarning`); "tilelang" refuses
+    it naming the reason; "xla" never takes the kernels."""
+    rng = np.random.default_rng(3)
+    x = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.standard_normal(s), dt)
+    q, k, v, g = x(1, 4, 2, 64), x(1, 4, 2, 64), x(1, 4, 2, 48), x(1, 4, 2, dt=jnp.float32)
+    with pytest.warns(fla_jax.FallbackWarning, match="V in blocks of 32, got V = 48"):
+        fla_jax.fused_recurrent_simple_gla(q, k, v, g)
+    with pytest.raises(fla_jax.BackendUnavailableError, match="fused_recurrent_simple_gla: the step program takes V in blocks of 32"):
+        fla_jax.fused_recurrent_simple_gla(q, k, v, g, backend="tilelang")
+    v = x(1, 4, 2, 64)
+    with pytest.raises(fla_jax.BackendUnavailableError, match="reverse"):
+        fla_jax.fused_recurrent_simple_gla(q, k, v, g, reverse=True, backend="tilelang")
+    with pytest.raises(fla_jax.BackendUnavailableError, match="gate per key channel"):
+        fla_jax.fused_recurrent_gated_delta_rule(q, k, v, gk=jnp.zeros((1, 4, 2, 64)), backend="tilelang")
+    with pytest.raises(fla_jax.BackendUnavailableError, match="cu_seqlens"):
+        fla_jax.fused_recurrent_delta_rule(q, k, v, cu_seqlens=jnp.asarray([0, 2, 4]), backend="tilelang")
+    with pytest.raises(fla_jax.BackendUnavailableError, match="float32"):
+        fla_jax.fused_recurrent_simple_gla(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), g, backend="tilelang")
+    # a decode step (T = 1) runs reversed or packed as it is: on the program
+    one = lambda a: a[:, :1]
+    fla_jax.fused_recurrent_simple_gla(*map(one, (q, k, v, g)), reverse=True, segment_ids=jnp.zeros((1, 1), jnp.int32),
+                                       backend="tilelang")
+    with pytest.raises(ValueError, match="`backend` must be one of"):
+        fla_jax.fused_recurrent_gla(q, k, v, backend="triton")
+    # `fla_jax.explain` says the same
+    with pytest.warns(fla_jax.FallbackWarning):
+        e = fla_jax.explain(fla_jax.fused_recurrent_simple_gla, q, k, x(1, 4, 2, 48), g)
+    assert (e.backend, e.kernels_take_it, e.forward) == ("xla", False, ()) and "V in blocks of 32, got V = 48" in e.reason
+    e = fla_jax.explain(fla_jax.fused_recurrent_gated_delta_rule, q, k, v, g, beta=jax.nn.sigmoid(g), use_qk_l2norm_in_kernel=True)
+    assert (e.backend, e.reason, e.forward) == ("tilelang", None, ("fla_delta_fwd_bf16_k64_v64_c64_step",)), e
+    assert "step program" in str(e)
+
+
+def test_explain_says_where_a_recurrent_call_runs():
+    """Off a Hopper GPU: XLA, and why; whether the step program takes the call on any machine."""
+    x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    e = fla_jax.explain(fla_jax.fused_recurrent_gla, x(2, 1, 4, 128), x(2, 1, 4, 128), x(2, 1, 4, 256), x(2, 1, 4, 128))
+    usable, why = fla_jax.backends()["tilelang"].usable, fla_jax.backends()["tilelang"].reason
+    assert e.kernels_take_it and e.forward == ("fla_gla_fwd_bf16_k128_v128_c64_step",)
+    assert (e.backend, e.reason) == (("tilelang", None) if usable else ("xla", why))
