@@ -92,8 +92,9 @@ def forward_split_pieces(p: Problem, *, gradient: bool, varlen: bool, B: int, H:
     """Simple GLA's forward with no gradient on dense input (`simple_gla.split_forward`): in how many pieces its
     state pass walks each of B sequences of nt chunks (`Config.split_programs`), a power of two dividing nt. 1
     (no split) for the other ops, under a gradient (the backward takes h from one pass: the state passes' own
-    pieces serve it, `pieces`) and with varlen tables (sequences of unequal length)."""
-    if p.op != "simple_gla" or gradient or varlen:
+    pieces serve it, `pieces`), with varlen tables (sequences of unequal length) and at V != K (`enter` is built for
+    V = K: it does not take V on its grid)."""
+    if p.op != "simple_gla" or gradient or varlen or V != K:
         return 1
     cfg = config.of(p)
     programs, pieces = state_programs(B, H, V), 1

@@ -39,15 +39,16 @@ def step(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 32, gate_rows: b
     def body(q, k, v, g, beta, h0, scale, l2norm, o, ht):
         with T.Kernel(B * HV, T.ceildiv(V, BV), threads=WARPS * 32) as (bh, iv):
             v_tile_assumed(V, BV)
-            b = bh // HV
-            hv = bh % HV
-            ih = T.min(hv // T.max(HV // H, 1), H - 1)  # (in bounds whatever the shapes; the glue checks HV % H == 0)
+            # (once, in registers: recomputed at each index, the divisions dominated the program)
+            b = T.alloc_var("int32", init=bh // HV)
+            hv = T.alloc_var("int32", init=bh % HV)
+            ih = T.alloc_var("int32", init=T.min(hv // T.max(HV // H, 1), H - 1))  # (in bounds whatever the shapes)
             tx = T.get_thread_binding()
             lane = tx % 32
             w = tx // 32
             col = iv * BV + lane
             s = T.alloc_local((R,), acc)
-            qa = T.alloc_local((R,), acc)
+            qj = T.alloc_local((1,), acc)  # (q a row at a time: K = 256 left no registers for all of it)
             ka = T.alloc_local((R,), acc)
             part = T.alloc_local((NP,), acc)
             tot = T.alloc_local((NP,), acc)
@@ -56,22 +57,23 @@ def step(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 32, gate_rows: b
                 s[j] = h0[b, hv, w * R + j, col]
             for t in T.serial(Tn):
                 for j in T.unroll(R):
-                    qa[j] = T.cast(q[b, t, ih, w * R + j], acc)
                     ka[j] = T.cast(k[b, t, ih, w * R + j], acc)
                 if gate_rows:
                     for j in T.unroll(R):
                         s[j] = s[j] * T.exp(g[b, t, hv, w * R + j])
                 else:
+                    part[0] = T.exp(g[b, t, hv])
                     for j in T.unroll(R):
-                        s[j] = s[j] * T.exp(g[b, t, hv])
+                        s[j] = s[j] * part[0]
                 for i in T.unroll(NP):
                     part[i] = T.float32(0)
                 for j in T.unroll(R):
+                    qj[0] = T.cast(q[b, t, ih, w * R + j], acc)
                     part[0] = part[0] + ka[j] * s[j]
-                    part[1] = part[1] + qa[j] * s[j]
+                    part[1] = part[1] + qj[0] * s[j]
                     part[2] = part[2] + ka[j] * ka[j]
-                    part[3] = part[3] + qa[j] * qa[j]
-                    part[4] = part[4] + ka[j] * qa[j]
+                    part[3] = part[3] + qj[0] * qj[0]
+                    part[4] = part[4] + ka[j] * qj[0]
                 for i in T.unroll(NP):
                     red[t % 2, i, w, lane] = part[i]
                 T.sync_threads()
