@@ -1,8 +1,8 @@
 """Times one decode step of the recurrent ops (T = 1, the state carried, donated so it updates in place)
 against the bytes the step must move: the float32 state read and written once, `2 B H K V 4` bytes, plus
 q, k, v and the gates; against jla 0.1.0's step (`jla.ops.linear_attention` at T = 1 with the state, what
-its layers' `step` runs) and against our XLA step (`backend="xla"`), in one process, interleaved rounds,
-medians. `fla_jax` is what "auto" runs: the step program on a Hopper GPU. A step is timed inside one jitted
+its layers' `step` runs): our step program (`backend="tilelang"`) and our XLA step (`backend="xla"`, what "auto"
+runs), in one process, interleaved rounds, medians. A step is timed inside one jitted
 loop of `--steps` steps (as generation runs it: no host dispatch a token). Prints ms a step and the
 achieved bandwidth.
 
@@ -36,8 +36,8 @@ def loop(step, n: int):
 
 
 def step_fn(op: str, backend: str = "auto"):
-    """`(state, q, k, v, g, beta) -> (o, state)` of one op's decode step on `backend` ("auto": the step program
-    where the kernels run)."""
+    """`(state, q, k, v, g, beta) -> (o, state)` of one op's decode step on `backend` ("tilelang": the step
+    program; "auto" and "xla": XLA's step)."""
     def f(state, q, k, v, g, beta):
         kw = dict(initial_state=state, output_final_state=True, backend=backend)
         if op == "gated_delta_rule":
@@ -75,7 +75,7 @@ def bench(op: str, B: int, H: int, K: int, V: int, steps: int, reps: int = 7) ->
     q, k, v = bf(B, 1, H, K), bf(B, 1, H, K), bf(B, 1, H, V)
     g = jnp.asarray(-rng.uniform(0, 0.1, (B, 1, H)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0, 1, (B, 1, H)), jnp.float32)
-    fns = {"fla_jax": step_fn(op), "fla_jax:xla": step_fn(op, "xla"), "jla": jla_step_fn(op)}
+    fns = {"fla_jax:tilelang": step_fn(op, "tilelang"), "fla_jax:xla": step_fn(op, "xla"), "jla": jla_step_fn(op)}
     fns = {name: loop(f, steps) for name, f in fns.items() if f is not None}
     states = {name: jnp.zeros((B, H, K, V), jnp.float32) for name in fns}
     for name, f in fns.items():
@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--steps", type=int, default=256, help="steps in the timed loop")
     args = ap.parse_args()
     print(f"device: {jax.devices()[0].device_kind}")
-    print("| op | B | H,K,V | bytes a step | fla_jax ms (GB/s) | fla_jax:xla ms (GB/s) | jla ms (GB/s) | vs jla | vs xla |")
+    print("| op | B | H,K,V | bytes a step | step program ms (GB/s) | XLA ms (GB/s) | jla ms (GB/s) | program vs jla | vs XLA |")
     print("|---|---|---|---|---|---|---|---|---|")
     for op in args.ops.split(","):
         for dims in args.dims.split(","):
@@ -114,8 +114,8 @@ def main():
                 ms = bench(OPS[op], B, H, K, V, args.steps)
                 moved = moved_bytes(B, H, K, V)
                 cell = lambda n: f"{ms[n]:.4f} ({moved / (ms[n] * 1e-3) / 1e9:.0f})" if n in ms else "-"
-                ratio = lambda n: f"{ms[n] / ms['fla_jax']:.2f}x" if n in ms else "-"
-                print(f"| {op} | {B} | {H},{K},{V} | {moved / 1e6:.1f} MB | {cell('fla_jax')} | {cell('fla_jax:xla')} | {cell('jla')} | "
+                ratio = lambda n: f"{ms[n] / ms['fla_jax:tilelang']:.2f}x" if n in ms else "-"
+                print(f"| {op} | {B} | {H},{K},{V} | {moved / 1e6:.1f} MB | {cell('fla_jax:tilelang')} | {cell('fla_jax:xla')} | {cell('jla')} | "
                       f"{ratio('jla')} | {ratio('fla_jax:xla')} |", flush=True)
 
 

@@ -5,14 +5,16 @@ Per head, with state S in R^{K x V} (initially `initial_state`, else zeros), at 
 decay `S = Diag(exp(gk_t)) S Diag(exp(gv_t))` (a scalar `g_t` decays all of S), then for the delta rules
 `S = S + k_t (beta_t (v_t - S^T k_t))^T`, else `S = S + k_t v_t^T`, and `o_t = scale * S^T q_t`. The chunk
 ops compute the same outputs; these take the tokens one by one in float32 (a `lax.scan`, checkpointed every
-64 steps so that a gradient keeps one state per 64 tokens), and T = 1 as one step with no loop: it reads and
-writes each state once. `reverse` (simple GLA, GLA) walks the tokens from the last.
+64 steps so that a gradient keeps one state per 64 tokens), and T = 1 as one step with no loop (XLA reads the
+state twice and writes it once). `reverse` (simple GLA, GLA) walks the tokens from the last. With
+`backend="tilelang"` a dense batch runs on the TileLang step program instead (`fla_jax._tilelang.recurrent`:
+each state read and written once for all T tokens); "auto" keeps XLA's step, measured faster (`AUTO_ON_XLA`).
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
+from typing import Final
 
 import jax
 import jax.numpy as jnp
@@ -104,26 +106,27 @@ def _scan(delta: bool, reverse: bool, h0, xs, seq=None):
     return jnp.moveaxis(o, 0, 1), (S if seq is None else ht)
 
 
-def _use_kernel(backend, name: str, why: str | None, usable: bool) -> bool:
-    """Whether `backend` runs the call on the step program (`why`: why it cannot, None where it can): "auto"
-    where it can (else XLA, with a `FallbackWarning` where the kernels run on this machine), "tilelang" or a
-    `TileLangConfig` always (an error naming the reason where it cannot), "xla" and "reference" never."""
+# Why "auto" runs the recurrent ops on XLA where the step program takes the call: measured slower than XLA's step at
+# B >= 8 (benchmarks/RESULTS.md, "Decode step"); `backend="tilelang"` runs it.
+AUTO_ON_XLA: Final = ("auto runs the recurrent ops on XLA: its step measured faster than the step program "
+                      "(benchmarks/RESULTS.md); backend='tilelang' runs the program")
+
+
+def _use_kernel(backend, name: str, why: str | None) -> bool:
+    """Whether `backend` runs the call on the step program (`why`: why it cannot here, None where it can):
+    "tilelang" or a `TileLangConfig` (an error naming the reason where it cannot); "auto" (`AUTO_ON_XLA`), "xla"
+    and "reference" never."""
     if isinstance(backend, tilelang_backend.Config):
         backend_name = "tilelang"
     elif isinstance(backend, str) and backend in _backends.NAMES:
         backend_name = backend
     else:
         raise ValueError(f"`backend` must be one of {_backends.NAMES} or a fla_jax.TileLangConfig, got {backend!r}")
-    if backend_name in ("xla", "reference"):
+    if backend_name != "tilelang":
         return False
-    if why is None:
-        return True
-    if backend_name == "tilelang":
+    if why is not None:
         raise _backends.BackendUnavailableError(f"backend 'tilelang' cannot run {name}: {why}")
-    if usable:  # (the kernels run on this machine, but not this call)
-        warnings.warn(f"fla_jax: {name} runs on the xla backend, not the TileLang step program: {why}", _backends.FallbackWarning,
-                      stacklevel=4)
-    return False
+    return True
 
 
 def _dense(delta: bool, scale: float, l2norm: bool, q, k, v, g, beta, h0):
@@ -143,8 +146,8 @@ def _dense(delta: bool, scale: float, l2norm: bool, q, k, v, g, beta, h0):
 
 def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_state, cu_seqlens, reverse=False, l2norm=False,
          segment_ids=None, backend="auto", name: str):
-    """Checks what is common and runs the TileLang step program (`_programs`) or `_scan` in float32 (float64 for
-    float64 inputs); `segment_ids` as decays of zero at each segment start (`fla_jax._segments`; with `reverse`,
+    """Checks what is common and runs the TileLang step program (`_programs`, where `backend` asks for the tilelang
+    backend) or `_scan` in float32 (float64 for float64 inputs); `segment_ids` as decays of zero at each segment start (`fla_jax._segments`; with `reverse`,
     at each segment's last token)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -163,12 +166,11 @@ def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_sta
     op = "delta" if delta else "simple_gla" if gk is None or gk.ndim == 3 else "gla"
     coverage = _programs.unsupported(op, dtype=str(q.dtype), K=K, V=V, varlen=cu is not None, reverse=reverse and T > 1,
                                      gv=gv is not None, gate_rows=gk is not None and gk.ndim == 4)
-    usable, here = tilelang_backend.status()
-    why = coverage or here or _programs.missing(op, str(q.dtype), K, tilelang_backend.registered())
-    kernel = _use_kernel(backend, name, why, usable)
+    why = coverage or tilelang_backend.status()[1] or _programs.missing(op, str(q.dtype), K, tilelang_backend.registered())
+    kernel = _use_kernel(backend, name, why)
     if (plans := ops.PLANS.get()) is not None:  # (`fla_jax.explain`)
         plans.append({"recurrent": name, "backend": "tilelang" if kernel else "xla", "asked": backend, "coverage": coverage,
-                      "here": why, "target": _programs.program(op, str(q.dtype), K) if coverage is None else None})
+                      "here": why or AUTO_ON_XLA, "target": _programs.program(op, str(q.dtype), K) if coverage is None else None})
     if kernel:
         g = jnp.zeros(v.shape[:3] if op != "gla" else q.shape, jnp.float32) if gk is None else gk.astype(jnp.float32)
         beta = None if beta is None else beta.astype(jnp.float32)

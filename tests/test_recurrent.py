@@ -264,15 +264,17 @@ def test_step_program_matches_float64(case, monkeypatch):
 
 
 def test_step_program_refusals_name_the_reason(emulated):
-    """"auto" runs what the step program cannot take on XLA and says why (`FallbackWarning`); "tilelang" refuses
-    it naming the reason; "xla" never takes the kernels."""
+    """"tilelang" runs a call the step program takes on it and refuses any other naming the reason; "auto" and "xla"
+    run XLA's steps (measured faster: `recurrent.AUTO_ON_XLA`), and `fla_jax.explain` says so."""
+    from fla_jax import recurrent
+
     rng = np.random.default_rng(3)
     x = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.standard_normal(s), dt)
     q, k, v, g = x(1, 4, 2, 64), x(1, 4, 2, 64), x(1, 4, 2, 48), x(1, 4, 2, dt=jnp.float32)
-    with pytest.warns(fla_jax.FallbackWarning, match="V in blocks of 32, got V = 48"):
-        fla_jax.fused_recurrent_simple_gla(q, k, v, g)
     with pytest.raises(fla_jax.BackendUnavailableError, match="fused_recurrent_simple_gla: the step program takes V in blocks of 32"):
         fla_jax.fused_recurrent_simple_gla(q, k, v, g, backend="tilelang")
+    e = fla_jax.explain(fla_jax.fused_recurrent_simple_gla, q, k, v, g)
+    assert (e.backend, e.kernels_take_it, e.forward) == ("xla", False, ()) and "V in blocks of 32, got V = 48" in e.reason
     v = x(1, 4, 2, 64)
     with pytest.raises(fla_jax.BackendUnavailableError, match="reverse"):
         fla_jax.fused_recurrent_simple_gla(q, k, v, g, reverse=True, backend="tilelang")
@@ -282,25 +284,28 @@ def test_step_program_refusals_name_the_reason(emulated):
         fla_jax.fused_recurrent_delta_rule(q, k, v, cu_seqlens=jnp.asarray([0, 2, 4]), backend="tilelang")
     with pytest.raises(fla_jax.BackendUnavailableError, match="float32"):
         fla_jax.fused_recurrent_simple_gla(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), g, backend="tilelang")
+    with pytest.raises(ValueError, match="`backend` must be one of"):
+        fla_jax.fused_recurrent_gla(q, k, v, backend="triton")
     # a decode step (T = 1) runs reversed or packed as it is: on the program
     one = lambda a: a[:, :1]
     fla_jax.fused_recurrent_simple_gla(*map(one, (q, k, v, g)), reverse=True, segment_ids=jnp.zeros((1, 1), jnp.int32),
                                        backend="tilelang")
-    with pytest.raises(ValueError, match="`backend` must be one of"):
-        fla_jax.fused_recurrent_gla(q, k, v, backend="triton")
-    # `fla_jax.explain` says the same
-    with pytest.warns(fla_jax.FallbackWarning):
-        e = fla_jax.explain(fla_jax.fused_recurrent_simple_gla, q, k, x(1, 4, 2, 48), g)
-    assert (e.backend, e.kernels_take_it, e.forward) == ("xla", False, ()) and "V in blocks of 32, got V = 48" in e.reason
-    e = fla_jax.explain(fla_jax.fused_recurrent_gated_delta_rule, q, k, v, g, beta=jax.nn.sigmoid(g), use_qk_l2norm_in_kernel=True)
+    # what the program takes runs on XLA under "auto", and explain says why
+    gdn = lambda backend: fla_jax.explain(fla_jax.fused_recurrent_gated_delta_rule, q, k, v, g, beta=jax.nn.sigmoid(g),
+                                          use_qk_l2norm_in_kernel=True, backend=backend)
+    e = gdn("auto")
+    assert (e.backend, e.kernels_take_it, e.reason) == ("xla", True, recurrent.AUTO_ON_XLA), e
+    e = gdn("tilelang")
     assert (e.backend, e.reason, e.forward) == ("tilelang", None, ("fla_delta_fwd_bf16_k64_v64_c64_step",)), e
     assert "step program" in str(e)
 
 
 def test_explain_says_where_a_recurrent_call_runs():
-    """Off a Hopper GPU: XLA, and why; whether the step program takes the call on any machine."""
+    """"auto": XLA, and why (off a Hopper GPU, that; on one, `AUTO_ON_XLA`); whether the step program takes the call."""
+    from fla_jax import recurrent
+
     x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     e = fla_jax.explain(fla_jax.fused_recurrent_gla, x(2, 1, 4, 128), x(2, 1, 4, 128), x(2, 1, 4, 256), x(2, 1, 4, 128))
     usable, why = fla_jax.backends()["tilelang"].usable, fla_jax.backends()["tilelang"].reason
     assert e.kernels_take_it and e.forward == ("fla_gla_fwd_bf16_k128_v128_c64_step",)
-    assert (e.backend, e.reason) == (("tilelang", None) if usable else ("xla", why))
+    assert e.backend == "xla" and e.reason == (recurrent.AUTO_ON_XLA if usable else why)
