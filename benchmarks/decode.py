@@ -7,6 +7,7 @@ loop of `--steps` steps (as generation runs it: no host dispatch a token). Print
 achieved bandwidth.
 
     python benchmarks/decode.py --ops gdn,simple_gla --batches 1,8,64 --dims 16x128x128,8x256x512
+    python build.py --experiments x_step_adj && python benchmarks/decode.py --alt x_step_adj --dims 16x128x128
 """
 
 from __future__ import annotations
@@ -68,14 +69,18 @@ def jla_step_fn(op: str):
     return f
 
 
-def bench(op: str, B: int, H: int, K: int, V: int, steps: int, reps: int = 7) -> dict[str, float]:
-    """{implementation: median ms a step}, the implementations timed in interleaved rounds."""
+def bench(op: str, B: int, H: int, K: int, V: int, steps: int, reps: int = 7, alts: tuple[str, ...] = ()) -> dict[str, float]:
+    """{implementation: median ms a step}, the implementations timed in interleaved rounds; `alts`: built experiments
+    of the step program (`build.py --experiments NAME`), each as one more implementation `tilelang@NAME`."""
     rng = np.random.default_rng(0)
     bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     q, k, v = bf(B, 1, H, K), bf(B, 1, H, K), bf(B, 1, H, V)
     g = jnp.asarray(-rng.uniform(0, 0.1, (B, 1, H)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0, 1, (B, 1, H)), jnp.float32)
     fns = {"fla_jax:tilelang": step_fn(op, "tilelang"), "fla_jax:xla": step_fn(op, "xla"), "jla": jla_step_fn(op)}
+    key = "delta" if op.endswith("delta_rule") else op
+    for name in alts:
+        fns[f"tilelang@{name}"] = step_fn(op, fla_jax.TileLangConfig(experiments=(((key, "fwd", "step"), name),)))
     fns = {name: loop(f, steps) for name, f in fns.items() if f is not None}
     states = {name: jnp.zeros((B, H, K, V), jnp.float32) for name in fns}
     for name, f in fns.items():
@@ -103,7 +108,9 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--dims", default="16x128x128,8x256x512", help="HxKxV[,...]")
     ap.add_argument("--steps", type=int, default=256, help="steps in the timed loop")
+    ap.add_argument("--alt", default="", help="built experiments of the step program (NAME[,NAME]), timed beside it")
     args = ap.parse_args()
+    alts = tuple(a for a in args.alt.split(",") if a)
     print(f"device: {jax.devices()[0].device_kind}")
     print("| op | B | H,K,V | bytes a step | step program ms (GB/s) | XLA ms (GB/s) | jla ms (GB/s) | program vs jla | vs XLA |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -111,12 +118,12 @@ def main():
         for dims in args.dims.split(","):
             H, K, V = map(int, dims.split("x"))
             for B in map(int, args.batches.split(",")):
-                ms = bench(OPS[op], B, H, K, V, args.steps)
+                ms = bench(OPS[op], B, H, K, V, args.steps, alts=alts)
                 moved = moved_bytes(B, H, K, V)
                 cell = lambda n: f"{ms[n]:.4f} ({moved / (ms[n] * 1e-3) / 1e9:.0f})" if n in ms else "-"
                 ratio = lambda n: f"{ms[n] / ms['fla_jax:tilelang']:.2f}x" if n in ms else "-"
                 print(f"| {op} | {B} | {H},{K},{V} | {moved / 1e6:.1f} MB | {cell('fla_jax:tilelang')} | {cell('fla_jax:xla')} | {cell('jla')} | "
-                      f"{ratio('jla')} | {ratio('fla_jax:xla')} |", flush=True)
+                      f"{ratio('jla')} | {ratio('fla_jax:xla')} |" + "".join(f" {n}: {cell(n)} |" for n in ms if "@" in n), flush=True)
 
 
 if __name__ == "__main__":

@@ -275,12 +275,16 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 # compare; the dispatch never calls them, and only `build.py --experiments` builds them (the default build, CI and an
 # install hold the dispatched programs alone). Each measured slower than, or within the noise of, the dispatched
 # program it stands in for (`of`); the numbers are in the git history of this file and of benchmarks/RESULTS.md.
+# The step program with the V blocks of a state adjacent on its grid (`adjacent_v`; `benchmarks/decode.py --alt`).
+STEP_ADJACENT: Final = dict(STEP, name="x_step_adj", of="step")
+
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks). The
     # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when
     # batch x heads > 32), with two stages (three dispatched). The state-gradient pass with V blocks
     # of 32 (twice the programs), and in one warpgroup.
     ("gla", "fwd", "bf16", 128): (
+        Program(**STEP_ADJACENT, config=(("gate_rows", True), ("adjacent_v", True))),
         Program(name="x_fused_bv128", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
         Program(name="x_fused_h_bv128", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True), ("BV", 128))),
@@ -320,6 +324,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # each thread (the default before); T stored by TMA; the state pass in one
     # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
+        Program(**STEP_ADJACENT, config=(("delta", True), ("adjacent_v", True))),
         # the training WY kernel with G and beta as columns loaded by each thread (dispatched before `g_rows`)
         Program(name="x_wy_t_l2_cols", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy",
                 outputs=("w", "u", "t", "yq", "yk", "rq", "rk"), config=WY_T_L2),
@@ -356,6 +361,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before)
     ("delta", "fwd", "bf16", 256): (
+        Program(**STEP_ADJACENT, config=(("delta", True), ("adjacent_v", True))),
         # the training WY kernel normalising q and k too (no `norm` passes; `wy_t_l2` is dispatched at K <= 128 only),
         # and summing the gates (as x_wy_t_l2_scan at K <= 128: the same override puts it in place)
         Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
@@ -371,6 +377,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the one-pass forward storing h in one warpgroup (the default before the warp-specialized one), with one
     # output warpgroup, with two and three stages
     ("simple_gla", "fwd", "bf16", 128): (
+        Program(**STEP_ADJACENT, config=(("adjacent_v", True),)),
         # the gates per step summed by one warp of the loading warpgroup (G_SCAN: no cumulative sum or transpose left
         # to XLA, but the scan delays the next chunk's loads)
         Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),

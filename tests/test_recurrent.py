@@ -254,6 +254,21 @@ def test_step_program_glue_matches_float64(case, emulated, monkeypatch):
     _step_against_float64(monkeypatch, case, fla_jax.TileLangConfig(poison_outputs=True))
 
 
+def test_a_step_experiment_takes_the_programs_place(emulated, monkeypatch):
+    """`TileLangConfig.experiments` puts a built experiment of the step program in its place (`decode.py --alt`)."""
+    from fla_jax._tilelang import runtime
+
+    launched, launch = [], runtime.launch
+    monkeypatch.setattr(runtime, "launch", lambda p, target, *a: launched.append(target) or launch(p, target, *a))
+    case = Case("delta_rule", 2, 1, 2, 128, 128, dtype="bfloat16", h0=True, l2norm=True)
+    diff, _ = make_inputs(case, 4)
+    config = fla_jax.TileLangConfig(experiments=((("delta", "fwd", "step"), "x_step_adj"),))
+    o, ht = RECURRENT[case.op](**_kwargs(case, diff), backend=config)
+    _, (ref_o, ref_ht) = reference_grads(case, diff, make_inputs(case, 4)[1])
+    assert launched == ["fla_delta_fwd_bf16_k128_v128_c64_x_step_adj"]
+    assert err_ratio(ref_o, o) < 5e-3 and err_ratio(ref_ht, ht) < 5e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", STEP_CASES, ids=str)
 def test_step_program_matches_float64(case, monkeypatch):

@@ -13,7 +13,7 @@ import numpy as np
 
 from fla_jax import _partition
 from fla_jax._problem import Problem
-from fla_jax._tilelang import runtime
+from fla_jax._tilelang import plan, runtime
 from fla_jax._tilelang.config import Config, configured
 from fla_jax._variants import HEAD_DIMS, find
 
@@ -82,7 +82,7 @@ def run(op: str, fallback, q, k, v, g, beta, h0, *, scale: float, l2norm: bool, 
     `[B, T, HV]` (delta rules) or None, h0 float32 `[B, HV, K, V]`. `fallback(q, k, v, g, beta, h0)` is the same
     function in XLA: its VJP is the gradient."""
     p = configured(Problem(op=op, delta=op == "delta", chunk_size=64, dtype=str(q.dtype)), config)
-    target = program(op, str(q.dtype), q.shape[-1])
+    target = plan.targets(p, "fwd", q.shape[-1], q.shape[-1])["step"]  # (or an experiment `config` puts in its place)
     part = _partitioned(p, target, float(scale), bool(l2norm), g.ndim == 4, beta is not None)
 
     @jax.custom_vjp
