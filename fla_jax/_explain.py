@@ -56,8 +56,9 @@ def explain(fn, *args, **kwargs) -> Explanation:
     """Says which backend `fn(*args, **kwargs)` runs on and, where the kernels take it, which kernel
     programs its forward and its training step launch; where it falls to XLA, why.
 
-    `fn` is one of the public ops (the chunk ops and the recurrent ops); arguments as for it (arrays or `jax.ShapeDtypeStruct`s). Nothing is
-    computed: the call is traced, and lowered for CUDA where the kernels take it.
+    `fn` is one of the public ops (the chunk ops and the recurrent ops); arguments as for it (arrays or
+    `jax.ShapeDtypeStruct`s). Nothing is computed: the call is traced, and lowered for CUDA where the kernels
+    take it.
 
     >>> print(fla_jax.explain(fla_jax.chunk_gated_delta_rule, q, k, v, g, beta, use_qk_l2norm_in_kernel=True))
     """

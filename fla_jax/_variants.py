@@ -113,6 +113,10 @@ MB8: Final = (("min_blocks", 8),)
 # the delta rules' with a scalar gate.
 STEP: Final = dict(name="step", module="recurrent.step", builder="step", outputs=("o", "ht"))
 
+# The step program with the V blocks of a state adjacent on its grid (`adjacent_v`): an experiment, not yet measured
+# (`build.py --experiments x_step_adj`, `benchmarks/decode.py --alt x_step_adj`).
+STEP_ADJACENT: Final = dict(STEP, name="x_step_adj", of="step")
+
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
         # the state pass computing o on chip; at K <= 128 two output warpgroups on alternate chunks
@@ -275,9 +279,6 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
 # compare; the dispatch never calls them, and only `build.py --experiments` builds them (the default build, CI and an
 # install hold the dispatched programs alone). Each measured slower than, or within the noise of, the dispatched
 # program it stands in for (`of`); the numbers are in the git history of this file and of benchmarks/RESULTS.md.
-# The step program with the V blocks of a state adjacent on its grid (`adjacent_v`; `benchmarks/decode.py --alt`).
-STEP_ADJACENT: Final = dict(STEP, name="x_step_adj", of="step")
-
 EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # GLA's intra-chunk parts without the chunk-wide fast path (every chunk by sub-chunks). The
     # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when

@@ -129,26 +129,29 @@ def _use_kernel(backend, name: str, why: str | None) -> bool:
     return True
 
 
-def _dense(delta: bool, scale: float, l2norm: bool, q, k, v, g, beta, h0):
-    """What the step program computes, in XLA (its gradient is this function's VJP): a dense batch walked forwards
-    from `h0`, the inputs as `_programs.run` takes them."""
+def _steps(delta: bool, scale: float, l2norm: bool, reverse: bool, seq, gv, q, k, v, gk, beta, h0):
+    """The recurrence in XLA from the raw inputs (q, k in their dtype, not normalised, scaled or repeated for
+    grouped heads; h0 `[N, HV, K, V]`), in float32 (float64 for float64 inputs): `(o, ht float32)`. With
+    `(reverse, seq, gv) = (False, None, None)` what the step program computes, from its inputs (`_programs.run`'s
+    `fallback`: its VJP is the program's gradient)."""
     H, HV = q.shape[2], v.shape[2]
-    f32 = lambda x: x.astype(jnp.float32)
-    q, k = f32(q), f32(k)
+    cdt = jnp.promote_types(q.dtype, jnp.float32)
+    f = lambda x: None if x is None else x.astype(cdt)
+    q, k = f(q), f(k)
     if l2norm:
         q, k = l2_normalise(q), l2_normalise(k)
-    q = q * jnp.float32(scale)
+    q = q * jnp.asarray(scale, cdt)
     if HV != H:
         q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
-    o, ht = _scan(delta, False, h0, (q, k, f32(v), g, None, beta))
-    return o.astype(v.dtype), ht
+    o, ht = _scan(delta, reverse, f(h0), (q, k, f(v), f(gk), f(gv), f(beta)), seq)
+    return o.astype(v.dtype), ht.astype(jnp.float32)
 
 
 def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_state, cu_seqlens, reverse=False, l2norm=False,
          segment_ids=None, backend="auto", name: str):
     """Checks what is common and runs the TileLang step program (`_programs`, where `backend` asks for the tilelang
-    backend) or `_scan` in float32 (float64 for float64 inputs); `segment_ids` as decays of zero at each segment start (`fla_jax._segments`; with `reverse`,
-    at each segment's last token)."""
+    backend) or `_steps` in XLA; `segment_ids` as decays of zero at each segment start (`fla_jax._segments`; with
+    `reverse`, at each segment's last token)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = _checks.scale(scale, K)
@@ -175,22 +178,13 @@ def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_sta
         g = jnp.zeros(v.shape[:3] if op != "gla" else q.shape, jnp.float32) if gk is None else gk.astype(jnp.float32)
         beta = None if beta is None else beta.astype(jnp.float32)
         h0 = jnp.zeros((B, HV, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
-        fallback = functools.partial(_dense, delta, scale, l2norm)
+        fallback = functools.partial(_steps, delta, scale, l2norm, False, None, None)
         o, ht = _programs.run(op, fallback, q, k, v, g, beta, h0, scale=scale, l2norm=l2norm,
-                          config=backend if isinstance(backend, tilelang_backend.Config) else None)
+                              config=backend if isinstance(backend, tilelang_backend.Config) else None)
         return o, (ht if output_final_state else None)
-    cdt = jnp.promote_types(q.dtype, jnp.float32)
-    f = lambda x: None if x is None else x.astype(cdt)
-    q, k = f(q), f(k)
-    if l2norm:
-        q, k = l2_normalise(q), l2_normalise(k)
-    q = q * jnp.asarray(scale, cdt)
-    if HV != H:
-        q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
-    h0 = jnp.zeros((N, HV, K, V), cdt) if h0 is None else h0.astype(cdt)
+    h0 = jnp.zeros((N, HV, K, V), jnp.promote_types(q.dtype, jnp.float32)) if h0 is None else h0
     seq = None if cu is None else _layout.token_sequences(cu, T)
-    o, ht = _scan(delta, reverse, h0, (q, k, f(v), f(gk), f(gv), f(beta)), seq)
-    o, ht = o.astype(v.dtype), ht.astype(jnp.float32)
+    o, ht = _steps(delta, scale, l2norm, reverse, seq, gv, q, k, v, gk, beta, h0)
     if cu_valid is not None:  # an invalid traced table: every output NaN, as the chunk ops
         o, ht = (jnp.where(cu_valid, x, jnp.asarray(jnp.nan, x.dtype)) for x in (o, ht))
     return o, (ht if output_final_state else None)
