@@ -116,13 +116,8 @@ def _use_kernel(backend, name: str, why: str | None) -> bool:
     """Whether `backend` runs the call on the step program (`why`: why it cannot here, None where it can):
     "tilelang" or a `TileLangConfig` (an error naming the reason where it cannot); "auto" (`AUTO_ON_XLA`), "xla"
     and "reference" never."""
-    if isinstance(backend, tilelang_backend.Config):
-        backend_name = "tilelang"
-    elif isinstance(backend, str) and backend in _backends.NAMES:
-        backend_name = backend
-    else:
-        raise ValueError(f"`backend` must be one of {_backends.NAMES} or a fla_jax.TileLangConfig, got {backend!r}")
-    if backend_name != "tilelang":
+    _backends._check_name(backend)
+    if not isinstance(backend, tilelang_backend.Config) and backend != "tilelang":
         return False
     if why is not None:
         raise _backends.BackendUnavailableError(f"backend 'tilelang' cannot run {name}: {why}")
