@@ -206,13 +206,19 @@ STEP_CASES = [
 ]
 
 
-def _step_against_float64(monkeypatch, case, backend, segments=False):
-    """The op on `backend` (which must run it on the step program) against the float64 recurrence: o, the final
-    state, every gradient (XLA's VJP of the same steps)."""
+def _record_launches(monkeypatch) -> list[str]:
+    """The FFI targets of the programs the calls after this launch (recorded at trace time), in order."""
     from fla_jax._tilelang import runtime
 
     launched, launch = [], runtime.launch
     monkeypatch.setattr(runtime, "launch", lambda p, target, *a: launched.append(target) or launch(p, target, *a))
+    return launched
+
+
+def _step_against_float64(monkeypatch, case, backend, segments=False):
+    """The op on `backend` (which must run it on the step program) against the float64 recurrence: o, the final
+    state, every gradient (XLA's VJP of the same steps)."""
+    launched = _record_launches(monkeypatch)
     diff, cot = make_inputs(case, 17)
     extra = {}
     if segments:  # (three segments a row; the reference runs the decays of zero they mean)
@@ -256,10 +262,7 @@ def test_step_program_glue_matches_float64(case, emulated, monkeypatch):
 
 def test_a_step_experiment_takes_the_programs_place(emulated, monkeypatch):
     """`TileLangConfig.experiments` puts a built experiment of the step program in its place (`decode.py --alt`)."""
-    from fla_jax._tilelang import runtime
-
-    launched, launch = [], runtime.launch
-    monkeypatch.setattr(runtime, "launch", lambda p, target, *a: launched.append(target) or launch(p, target, *a))
+    launched = _record_launches(monkeypatch)
     case = Case("delta_rule", 2, 1, 2, 128, 128, dtype="bfloat16", h0=True, l2norm=True)
     diff, _ = make_inputs(case, 4)
     config = fla_jax.TileLangConfig(experiments=((("delta", "fwd", "step"), "x_step_adj"),))
