@@ -582,9 +582,10 @@ def program(target):
     return {"delta": DELTA_PROGRAMS, "gla": GLA_PROGRAMS}.get(target.split("_")[1], PROGRAMS)["_" + BUILT[target][0]]
 
 
-def launch(_p, target, results, named, init=None):
+def launch(_p, target, results, named, init=None, in_place=None):
     """Drop-in for fla_jax._tilelang.runtime.launch: the program's inputs and attributes by the names its
-    prim_func gives them (`runtime.call` has checked them against the built interface, where built)."""
+    prim_func gives them (`runtime.call` has checked them against the built interface, where built); `in_place`
+    changes nothing here (the emulated programs are functions)."""
     named = dict(named)
     kind, config = BUILT[target]
     kind = kind.removesuffix("_v") if kind.endswith("_v") else kind  # (a twin taking V on its grid computes its kind's)

@@ -4,6 +4,7 @@ recurrence, token-by-token decoding against one call over the sequence, and thei
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -279,6 +280,62 @@ def test_step_program_matches_float64(case, monkeypatch):
     if not fla_jax.backends()["tilelang"].usable:
         pytest.skip(str(fla_jax.backends()["tilelang"]))
     _step_against_float64(monkeypatch, case, fla_jax.TileLangConfig(poison_outputs=True), segments=case.T > 3)
+
+
+def _gdn_step(state, q, k, v, g, beta):
+    o, ht = fla_jax.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=state, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True, backend="tilelang")
+    return o, ht
+
+
+def _step_inputs(B=2, H=2, K=64, V=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    g = jnp.asarray(-rng.uniform(0, 0.5, (B, 1, H)), jnp.float32)
+    return (jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32), x(B, 1, H, K), x(B, 1, H, K), x(B, 1, H, V), g,
+            jax.nn.sigmoid(g))
+
+
+def test_the_step_program_writes_the_state_into_its_buffer(monkeypatch):
+    """The step's custom call gives its final state the initial state's buffer (XLA's `output_operand_aliases`), so a
+    decode loop carrying the state moves it once a step (without, XLA copied it every step: twice the bytes)."""
+    from fla_jax import _variants, tilelang_backend
+    from fla_jax._tilelang import runtime
+
+    target = "fla_delta_fwd_bf16_k64_v64_c64_step"
+    if target not in runtime.interfaces():
+        pytest.skip("the extension is not built")
+    monkeypatch.setattr(tilelang_backend, "status", lambda: (True, None))
+    monkeypatch.setattr(tilelang_backend, "registered", lambda: [v.target(p) for v in _variants.VARIANTS for p in v.declared])
+    text = jax.export.export(jax.jit(_gdn_step), platforms=["cuda"],
+                             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)])(*_step_inputs()).mlir_module()
+    call = re.search(rf"custom_call @{target}\(.*", text).group(0)
+    h0 = [q.name for q in runtime.interfaces()[target].inputs].index("h0")
+    assert re.search(rf"output_tuple_indices = \[1\], operand_index = {h0}\b", call), call
+
+
+@pytest.mark.gpu
+def test_the_step_program_updates_a_carried_state_in_place():
+    """A jitted decode loop on the step program compiles without a copy of the state, and equals XLA's steps; a state
+    the caller still holds after the step is left as it was (XLA copies it first)."""
+    if not fla_jax.backends()["tilelang"].usable:
+        pytest.skip(str(fla_jax.backends()["tilelang"]))
+    state, q, k, v, g, beta = _step_inputs(B=4, H=4, K=128, V=128)
+
+    def decode(step, state):
+        return jax.lax.fori_loop(0, 8, lambda _, s: step(s, q, k, v, g, beta)[1], state)
+
+    loop = jax.jit(functools.partial(decode, _gdn_step), donate_argnums=0)
+    hlo = loop.lower(state).compile().as_text()
+    copies = [ln for ln in hlo.splitlines() if re.search(r"= f32\[4,4,128,128\]\{[^}]*\} copy\(", ln)]
+    assert not copies, copies
+    xla_step = lambda s, *a: fla_jax.fused_recurrent_gated_delta_rule(*a[:3], a[3], beta=a[4], initial_state=s, output_final_state=True,
+                                                                      use_qk_l2norm_in_kernel=True, backend="xla")
+    want = jax.jit(functools.partial(decode, xla_step))(state)
+    got = loop(jnp.array(state))
+    assert err_ratio(want, got) < 1e-5
+    kept = jax.jit(lambda s: (_gdn_step(s, q, k, v, g, beta)[1], s + 0))(state)
+    np.testing.assert_array_equal(np.asarray(kept[1]), np.asarray(state))
 
 
 def test_step_program_refusals_name_the_reason(emulated):

@@ -59,7 +59,7 @@ def test_a_program_call_is_checked_against_its_interface(monkeypatch):
     program's by name, or whose buffers do not fit its declared dtypes and shapes (a symbolic dim such as L must
     agree across every buffer); a call that fits reaches the launch with its inputs in the program's order."""
     launched = []
-    monkeypatch.setattr(runtime, "launch", lambda p, target, results, named, init: launched.append(list(named)) or results)
+    monkeypatch.setattr(runtime, "launch", lambda p, target, results, named, *rest: launched.append(list(named)) or results)
     target = "fla_simple_gla_fwd_bf16_k64_v64_c64_fused"
     p = Problem(op="simple_gla", delta=False, chunk_size=64, dtype="bfloat16")
     x = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
@@ -105,11 +105,11 @@ def _watch_rows(monkeypatch, pick):
     XLA's `_gate_rows` transposes to per-chunk rows (`transposed`)."""
     calls, transposed = {}, []
 
-    def record(p, target, results, named, init=None):
+    def record(p, target, results, named, *rest):
         name = target.rsplit("_c64_", 1)[1]
         if (seen := pick(name, named)) is not None:
             calls.setdefault(name, []).append(seen)
-        return kernel_emulator.launch(p, target, results, named, init)
+        return kernel_emulator.launch(p, target, results, named, *rest)
 
     def gate_rows(x, C):
         transposed.append(x.shape)
@@ -166,12 +166,12 @@ def test_simple_gla_forward_split_matches_float64(case, emulated, monkeypatch):
     o, ht still match float64; with the split off, B sequences and no `enter`."""
     seqs = []
 
-    def record(p, target, results, named, init=None):
+    def record(p, target, results, named, *rest):
         if target.endswith("_fused"):
             seqs.append(named["ccount"].shape[0])
         if target.endswith("_enter"):
             seqs.append(("enter", named["d"].shape[0] * named["d"].shape[1]))
-        return kernel_emulator.launch(p, target, results, named, init)
+        return kernel_emulator.launch(p, target, results, named, *rest)
 
     monkeypatch.setattr(runtime, "launch", record)
     diff, cot = make_inputs(case, 31)
@@ -233,10 +233,10 @@ def test_state_passes_in_pieces_match_float64(case, emulated, monkeypatch):
     N = case.B if case.cu is None else len(case.cu) - 1
     seqs = []
 
-    def record(p, target, results, named, init=None):
+    def record(p, target, results, named, *rest):
         if "ccount" in named:  # (a state pass, forward or reverse)
             seqs.append(named["ccount"].shape[0])
-        return kernel_emulator.launch(p, target, results, named, init)
+        return kernel_emulator.launch(p, target, results, named, *rest)
 
     monkeypatch.setattr(runtime, "launch", record)
     for programs, pieces in ((0, 1), (4 * N * (case.HV or case.H), 4)):  # (a program per sequence and head at V = 64)
@@ -272,13 +272,13 @@ def test_no_initial_state_and_gates_summed_by_the_kernels(case, terms, zero_rows
     With both switches off (`zero_rows` false) XLA's zeros, rows for every sequence."""
     rows, names, reverse = [], [], []
 
-    def record(p, target, results, named, init=None):
+    def record(p, target, results, named, *rest):
         names.append(target.rsplit("_c64_", 1)[1])
         if "_fwd_" in target and "h0" in named:
             rows.append((named["h0"].shape[0], named["ccount"].shape[0]))  # h0 [N0, H, K, V], ccount [N]
         if "_bwd_" in target and target.endswith("_dh"):
             reverse.append((named["dht"].shape[0], results[1].shape[0], named["ccount"].shape[0]))  # dht [ND, ...], dh0 [N0, ...]
-        return kernel_emulator.launch(p, target, results, named, init)
+        return kernel_emulator.launch(p, target, results, named, *rest)
 
     monkeypatch.setattr(runtime, "launch", record)
     # (the experiments stand in for the WY VJP of two programs: `delta_grads_kernel` off)
@@ -530,10 +530,10 @@ def test_forward_split_partitions_along_batch_and_heads(emulated, monkeypatch):
 
     pieces = []
 
-    def record(p, target, results, named, init=None):
+    def record(p, target, results, named, *rest):
         if target.endswith("_fused"):
             pieces.append(named["ccount"].shape[0] * 64 * 8 // named["q"].shape[0])  # pieces a sequence (of 8 chunks)
-        return kernel_emulator.launch(p, target, results, named, init)
+        return kernel_emulator.launch(p, target, results, named, *rest)
 
     monkeypatch.setattr(runtime, "launch", record)
     case = Case("simple_gla", 4, 64 * 8, 4, 64, 64, dtype="bfloat16", h0=True)
@@ -635,12 +635,12 @@ def test_hostile_traced_cu_seqlens_reach_no_kernel(op, emulated, monkeypatch):
 
     tables = []
 
-    def record(p, target, results, named, init=None):
+    def record(p, target, results, named, *rest):
         arrays = [a for a in named.values() if hasattr(a, "ndim")]
         rows = max(a.shape[0] for a in arrays if a.ndim >= 2 and a.dtype != jnp.int32)
         if "ccount" in named:  # (the tables' values as the program would get them)
             jax.debug.callback(lambda cstart, ccount: tables.append((target, (cstart, ccount), rows)), named["cstart"], named["ccount"])
-        return kernel_emulator.launch(p, target, results, named, init)
+        return kernel_emulator.launch(p, target, results, named, *rest)
 
     monkeypatch.setattr(runtime, "launch", record)
     case = Case(op, 1, T, 2, 64, 64, dtype="bfloat16", cu=VALID_CU, h0=True)

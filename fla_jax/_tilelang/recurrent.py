@@ -60,8 +60,9 @@ def _launch(p: Problem, target: str, scale: float, l2norm: bool, q, k, v, g, bet
     named = dict(q=q, k=k, v=v, g=g, h0=h0, scale=np.float32(scale), l2norm=np.int32(l2norm))
     if beta is not None:
         named["beta"] = beta
+    # ht in h0's buffer: a decode loop carrying the state then moves it once a step, not again in a copy
     return runtime.call(p, target, (jax.ShapeDtypeStruct((B, T, HV, V), v.dtype), jax.ShapeDtypeStruct(h0.shape, jnp.float32)),
-                        **named)
+                        in_place={"ht": "h0"}, **named)
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,21 +102,24 @@ def interfaces() -> dict[str, Interface]:
                          tuple(d.get("multiple_of", {}).items())) for t, d in json.loads(_ext.interfaces()).items()}
 
 
-def call(p: Problem, target: str, results, *, init=None, **named):
+def call(p: Problem, target: str, results, *, init=None, in_place=None, **named):
     """`ffi_call` of program `target` for call `p`: its inputs and attributes by the names its prim_func gives them
     (`interfaces`), checked against it; with `Config.poison_outputs` its outputs start as NaN. `results`: the
     outputs' shapes, in its order. `init`: the outputs' contents before the call, for a program that updates them
-    in place (never poisoned)."""
+    in place (never poisoned). `in_place`: {output: input} an output that may take its input's buffer (XLA copies
+    the input first only where it is still used after the call), for a program in which each thread reads an
+    element of the input before it writes that element of the output and no thread touches another's; not while
+    poisoning, which must see every element of each output written."""
     single = not isinstance(results, tuple)
     results = (results,) if single else results
     interface = interfaces().get(target)
     if interface is not None:  # (an experiment this install did not build has none: only the emulator runs it)
         interface.check(target, results, named)
-    out = launch(p, target, results, named, init)
+    out = launch(p, target, results, named, init, in_place)
     return out[0] if single else tuple(out)
 
 
-def launch(p: Problem, target: str, results: tuple, named: dict, init):
+def launch(p: Problem, target: str, results: tuple, named: dict, init, in_place=None):
     """Runs the program on the GPU: its inputs in its order (the CPU tests put `kernel_emulator.launch` here)."""
     interface = interfaces().get(target)
     if interface is None:  # an experiment this install did not build (`build.py --experiments`): the call lowers (the
@@ -132,7 +135,11 @@ def launch(p: Problem, target: str, results: tuple, named: dict, init):
         return jax.ffi.ffi_call(f"{target}_aliased", results, vmap_method="sequential", input_output_aliases=aliases)(
             *args, *init, **attrs
         )
-    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
+    aliases = {}
+    if in_place and interface is not None:
+        ins, outs = [q.name for q in interface.inputs], [q.name for q in interface.outputs]
+        aliases = {ins.index(i): outs.index(o) for o, i in in_place.items()}
+    return jax.ffi.ffi_call(target, results, vmap_method="sequential", input_output_aliases=aliases)(*args, **attrs)
 
 
 @functools.cache
