@@ -8,7 +8,8 @@ ops compute the same outputs; these take the tokens one by one in float32 (a `la
 64 steps so that a gradient keeps one state per 64 tokens), and T = 1 as one step with no loop (XLA reads the
 state twice and writes it once). `reverse` (simple GLA, GLA) walks the tokens from the last. With
 `backend="tilelang"` a dense batch runs on the TileLang step program instead (`fla_jax._tilelang.recurrent`:
-each state read and written once for all T tokens); "auto" keeps XLA's step, measured faster (`AUTO_ON_XLA`).
+each state read and written once for all T tokens); "auto" runs it where the states are large
+(`AUTO_MIN_STATE`) and keeps XLA's step, measured faster, on smaller ones.
 """
 
 from __future__ import annotations
@@ -106,17 +107,25 @@ def _scan(delta: bool, reverse: bool, h0, xs, seq=None):
     return jnp.moveaxis(o, 0, 1), (S if seq is None else ht)
 
 
-# Why "auto" runs the recurrent ops on XLA where the step program takes the call: measured slower than XLA's step at
-# B >= 8 (benchmarks/RESULTS.md, "Decode step"); `backend="tilelang"` runs it.
-AUTO_ON_XLA: Final = ("auto runs the recurrent ops on XLA: its step measured faster than the step program "
-                      "(benchmarks/RESULTS.md); backend='tilelang' runs the program")
+# "auto" runs the step program where the states hold at least this many elements (B HV K V): there it measured faster
+# than XLA's step (which reads each state twice), below it slower (a few small programs, launch-bound), on the H100
+# (benchmarks/RESULTS.md, "Decode step"); `backend="tilelang"` runs the program at any size.
+AUTO_MIN_STATE: Final = 2**23
 
 
-def _use_kernel(backend, name: str, why: str | None) -> bool:
+def auto_on_xla(states: int) -> str:
+    """Why "auto" runs a call that the step program takes on XLA: its states' elements `states` are too few."""
+    return (f"auto runs the recurrent ops on XLA where the states hold fewer than {AUTO_MIN_STATE} elements (B HV K V = "
+            f"{states}): XLA's step measured faster there (benchmarks/RESULTS.md); backend='tilelang' runs the step program")
+
+
+def _use_kernel(backend, name: str, why: str | None, states: int) -> bool:
     """Whether `backend` runs the call on the step program (`why`: why it cannot here, None where it can):
-    "tilelang" or a `TileLangConfig` (an error naming the reason where it cannot); "auto" (`AUTO_ON_XLA`), "xla"
-    and "reference" never."""
+    "tilelang" or a `TileLangConfig` (an error naming the reason where it cannot); "auto" where it can and the
+    states hold at least `AUTO_MIN_STATE` elements (`states`); "xla" and "reference" never."""
     _backends._check_name(backend)
+    if backend == "auto":
+        return why is None and states >= AUTO_MIN_STATE
     if not isinstance(backend, tilelang_backend.Config) and backend != "tilelang":
         return False
     if why is not None:
@@ -165,10 +174,11 @@ def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_sta
     coverage = _programs.unsupported(op, dtype=str(q.dtype), K=K, V=V, varlen=cu is not None, reverse=reverse and T > 1,
                                      gv=gv is not None, gate_rows=gk is not None and gk.ndim == 4)
     why = coverage or tilelang_backend.status()[1] or _programs.missing(op, str(q.dtype), K, tilelang_backend.registered())
-    kernel = _use_kernel(backend, name, why)
+    states = N * HV * K * V
+    kernel = _use_kernel(backend, name, why, states)
     if (plans := ops.PLANS.get()) is not None:  # (`fla_jax.explain`)
         plans.append({"recurrent": name, "backend": "tilelang" if kernel else "xla", "asked": backend, "coverage": coverage,
-                      "here": why or AUTO_ON_XLA, "target": _programs.program(op, str(q.dtype), K) if coverage is None else None})
+                      "here": why or auto_on_xla(states), "target": _programs.program(op, str(q.dtype), K) if coverage is None else None})
     if kernel:
         g = jnp.zeros(v.shape[:3] if op != "gla" else q.shape, jnp.float32) if gk is None else gk.astype(jnp.float32)
         beta = None if beta is None else beta.astype(jnp.float32)

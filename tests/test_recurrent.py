@@ -266,10 +266,10 @@ def test_a_step_experiment_takes_the_programs_place(emulated, monkeypatch):
     launched = _record_launches(monkeypatch)
     case = Case("delta_rule", 2, 1, 2, 128, 128, dtype="bfloat16", h0=True, l2norm=True)
     diff, _ = make_inputs(case, 4)
-    config = fla_jax.TileLangConfig(experiments=((("delta", "fwd", "step"), "x_step_adj"),))
+    config = fla_jax.TileLangConfig(experiments=((("delta", "fwd", "step"), "x_step_mb"),))
     o, ht = RECURRENT[case.op](**_kwargs(case, diff), backend=config)
     _, (ref_o, ref_ht) = reference_grads(case, diff, make_inputs(case, 4)[1])
-    assert launched == ["fla_delta_fwd_bf16_k128_v128_c64_x_step_adj"]
+    assert launched == ["fla_delta_fwd_bf16_k128_v128_c64_x_step_mb"]
     assert err_ratio(ref_o, o) < 5e-3 and err_ratio(ref_ht, ht) < 5e-3
 
 
@@ -339,8 +339,9 @@ def test_the_step_program_updates_a_carried_state_in_place():
 
 
 def test_step_program_refusals_name_the_reason(emulated):
-    """"tilelang" runs a call the step program takes on it and refuses any other naming the reason; "auto" and "xla"
-    run XLA's steps (measured faster: `recurrent.AUTO_ON_XLA`), and `fla_jax.explain` says so."""
+    """"tilelang" runs a call the step program takes on it and refuses any other naming the reason; "auto" runs XLA's
+    steps on small states (measured faster: `recurrent.auto_on_xla`) and the program on large ones, and
+    `fla_jax.explain` says so."""
     from fla_jax import recurrent
 
     rng = np.random.default_rng(3)
@@ -369,18 +370,35 @@ def test_step_program_refusals_name_the_reason(emulated):
     gdn = lambda backend: fla_jax.explain(fla_jax.fused_recurrent_gated_delta_rule, q, k, v, g, beta=jax.nn.sigmoid(g),
                                           use_qk_l2norm_in_kernel=True, backend=backend)
     e = gdn("auto")
-    assert (e.backend, e.kernels_take_it, e.reason) == ("xla", True, recurrent.AUTO_ON_XLA), e
+    assert (e.backend, e.kernels_take_it, e.reason) == ("xla", True, recurrent.auto_on_xla(1 * 2 * 64 * 64)), e
+    assert "fewer than 8388608 elements (B HV K V = 8192)" in e.reason
     e = gdn("tilelang")
     assert (e.backend, e.reason, e.forward) == ("tilelang", None, ("fla_delta_fwd_bf16_k64_v64_c64_step",)), e
     assert "step program" in str(e)
 
 
 def test_explain_says_where_a_recurrent_call_runs():
-    """"auto": XLA, and why (off a Hopper GPU, that; on one, `AUTO_ON_XLA`); whether the step program takes the call."""
+    """"auto": XLA, and why (off a Hopper GPU, that; on one, the states too small: `auto_on_xla`); whether the step
+    program takes the call."""
     from fla_jax import recurrent
 
     x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     e = fla_jax.explain(fla_jax.fused_recurrent_gla, x(2, 1, 4, 128), x(2, 1, 4, 128), x(2, 1, 4, 256), x(2, 1, 4, 128))
     usable, why = fla_jax.backends()["tilelang"].usable, fla_jax.backends()["tilelang"].reason
     assert e.kernels_take_it and e.forward == ("fla_gla_fwd_bf16_k128_v128_c64_step",)
-    assert e.backend == "xla" and e.reason == (recurrent.AUTO_ON_XLA if usable else why)
+    assert e.backend == "xla" and e.reason == (recurrent.auto_on_xla(2 * 4 * 128 * 256) if usable else why)
+
+
+def test_auto_runs_large_states_on_the_step_program(emulated):
+    """"auto" takes the step program from `AUTO_MIN_STATE` elements of state (B HV K V) up, and XLA's step below."""
+    from fla_jax import recurrent
+
+    x = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+    for B, want in ((64, "tilelang"), (63, "xla")):  # 64 x 16 x 128 x 128 = 2^24 elements; 63 x 8 x 128 x 128 < 2^23
+        H = 16 if want == "tilelang" else 8
+        e = fla_jax.explain(fla_jax.fused_recurrent_gated_delta_rule, x(B, 1, H, 128), x(B, 1, H, 128), x(B, 1, H, 128),
+                            x(B, 1, H, dt=jnp.float32), beta=x(B, 1, H, dt=jnp.float32), initial_state=x(B, H, 128, 128, dt=jnp.float32),
+                            output_final_state=True)
+        assert e.backend == want, e
+        assert (e.reason is None) if want == "tilelang" else e.reason == recurrent.auto_on_xla(B * H * 128 * 128)
+    assert recurrent.AUTO_MIN_STATE == 2**23
