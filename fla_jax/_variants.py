@@ -113,9 +113,15 @@ MB8: Final = (("min_blocks", 8),)
 # the delta rules' with a scalar gate.
 STEP: Final = dict(name="step", module="recurrent.step", builder="step", outputs=("o", "ht"))
 
-# The step program with the V blocks of a state adjacent on its grid (`adjacent_v`): an experiment, not yet measured
-# (`build.py --experiments x_step_adj`, `benchmarks/decode.py --alt x_step_adj`).
-STEP_ADJACENT: Final = dict(STEP, name="x_step_adj", of="step")
+# The step program held to the registers that let more programs share an SM (`min_blocks`: 10, 6, 3 at K = 64, 128,
+# 256, the most without spills; GLA's gate rows spill there: 5 and 2), more of the states in flight: an experiment (`build.py --experiments x_step_mb`,
+# `benchmarks/decode.py --alt x_step_mb`).
+STEP_MB_BLOCKS: Final = {64: 10, 128: 6, 256: 3}
+
+
+def step_mb(K: int, *config, blocks: int | None = None) -> Program:
+    return Program(name="x_step_mb", of="step", module="recurrent.step", builder="step", outputs=("o", "ht"),
+                   config=(*config, ("min_blocks", blocks or STEP_MB_BLOCKS[K])))
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -284,8 +290,10 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when
     # batch x heads > 32), with two stages (three dispatched). The state-gradient pass with V blocks
     # of 32 (twice the programs), and in one warpgroup.
+    ("gla", "fwd", "bf16", 256): (step_mb(256, ("gate_rows", True), blocks=2),),
+    ("simple_gla", "fwd", "bf16", 256): (step_mb(256),),
     ("gla", "fwd", "bf16", 128): (
-        Program(**STEP_ADJACENT, config=(("gate_rows", True), ("adjacent_v", True))),
+        step_mb(128, ("gate_rows", True), blocks=5),
         Program(name="x_fused_bv128", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
         Program(name="x_fused_h_bv128", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True), ("BV", 128))),
@@ -325,7 +333,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # each thread (the default before); T stored by TMA; the state pass in one
     # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
-        Program(**STEP_ADJACENT, config=(("delta", True), ("adjacent_v", True))),
+        step_mb(128, ("delta", True)),
         # the training WY kernel with G and beta as columns loaded by each thread (dispatched before `g_rows`)
         Program(name="x_wy_t_l2_cols", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy",
                 outputs=("w", "u", "t", "yq", "yk", "rq", "rk"), config=WY_T_L2),
@@ -354,6 +362,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ),
     # the inverse summing the gates per step itself (G_SCAN) at K = 64, and the training WY kernel so (as at 128)
     ("delta", "fwd", "bf16", 64): (
+        step_mb(64, ("delta", True)),
         Program(name="x_inv_l2_scan", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
                 config=(*INV_L2, *MB8, *G_SCAN)),
         Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
@@ -362,7 +371,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before)
     ("delta", "fwd", "bf16", 256): (
-        Program(**STEP_ADJACENT, config=(("delta", True), ("adjacent_v", True))),
+        step_mb(256, ("delta", True)),
         # the training WY kernel normalising q and k too (no `norm` passes; `wy_t_l2` is dispatched at K <= 128 only),
         # and summing the gates (as x_wy_t_l2_scan at K <= 128: the same override puts it in place)
         Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
@@ -378,7 +387,7 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the one-pass forward storing h in one warpgroup (the default before the warp-specialized one), with one
     # output warpgroup, with two and three stages
     ("simple_gla", "fwd", "bf16", 128): (
-        Program(**STEP_ADJACENT, config=(("adjacent_v", True),)),
+        step_mb(128),
         # the gates per step summed by one warp of the loading warpgroup (G_SCAN: no cumulative sum or transpose left
         # to XLA, but the scan delays the next chunk's loads)
         Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),

@@ -402,6 +402,14 @@ def _program_inputs(op: str, name: str, dtype: str, D: int, cfg: Config | None =
     gates_for = lambda direction: common.gates_for(prob, direction, D, name, G, 64)  # G as program `name` takes it
     # the forward's program `name` takes the gates per step (and sums them itself)
     takes_steps = lambda: plan.program_config(prob, "fwd", D, name).get("g_scan")
+    if name == "step":  # the recurrent step program: 2 rows of 5 tokens, grouped value heads, V = 2K
+        B, T_, HV, V = 2, 5, 2 * H, 2 * D
+        q, k, v = x(B, T_, H, D), unit(x(B, T_, H, D)), x(B, T_, HV, V)
+        g = jnp.asarray(-np.abs(rng.standard_normal((B, T_, HV, D) if op == "gla" else (B, T_, HV))) * 0.1, jnp.float32)
+        beta = (jnp.asarray(rng.uniform(0, 1, (B, T_, HV)), jnp.float32),) if op == "delta" else ()
+        h0 = jnp.asarray(rng.standard_normal((B, HV, D, V)), jnp.float32)
+        attrs = {"scale": np.float32(D**-0.5), "l2norm": np.int32(op == "delta")}
+        return (like(v), like(h0)), (q, k, v, g, *beta, h0), attrs
     if (op, name) == ("simple_gla", "dh"):
         q, do, dht = x(L, H, D), x(L, H, D), jnp.asarray(rng.standard_normal((2, H, D, D)), jnp.float32)
         return (jax.ShapeDtypeStruct((NT, H, D, D), dtype), like(dht)), (q, do, gates_for("bwd"), dht, cstart, ccount), {"scale": np.float32(D**-0.5)}

@@ -28,10 +28,9 @@ WARPS = 4
 
 
 def step(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 32, gate_rows: bool = False, delta: bool = False,
-         adjacent_v: bool = False):
-    """`adjacent_v`: the V blocks of one (row, head) adjacent on a one-dimensional grid, so that the programs running
-    at once read whole rows of the state between them (the dispatched grid puts the V blocks last: the programs
-    running at once read 128 bytes of every 512 of a row at V = 128)."""
+         min_blocks: int = 0):
+    """`min_blocks`: `__launch_bounds__`' programs a multiprocessor (ptxas holds the registers to that; 0: one), so
+    that more of the states are in flight at once."""
     del V, BT  # (V is read off the buffers; no chunks)
     assert K % WARPS == 0 and BV == 32, "a warp's lanes are the V block's columns"
     R = K // WARPS
@@ -41,15 +40,9 @@ def step(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 32, gate_rows: b
 
     @T.macro
     def body(q, k, v, g, beta, h0, scale, l2norm, o, ht):
-        grid = (B * HV * T.ceildiv(V, BV),) if adjacent_v else (B * HV, T.ceildiv(V, BV))
-        with T.Kernel(*grid, threads=WARPS * 32) as ids:
+        with T.Kernel(B * HV, T.ceildiv(V, BV), threads=WARPS * 32) as (bh, iv):
             v_tile_assumed(V, BV)
             # (once, in registers: recomputed at each index, the divisions dominated the program)
-            if adjacent_v:
-                bh = ids // T.max(V // BV, 1)
-                iv = T.alloc_var("int32", init=ids % T.max(V // BV, 1))
-            else:
-                bh, iv = ids
             b = T.alloc_var("int32", init=bh // HV)
             hv = T.alloc_var("int32", init=bh % HV)
             ih = T.alloc_var("int32", init=T.min(hv // T.max(HV // H, 1), H - 1))  # (in bounds whatever the shapes)
@@ -59,6 +52,8 @@ def step(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 32, gate_rows: b
             col = iv * BV + lane
             s = T.alloc_local((R,), acc)
             qj = T.alloc_local((1,), acc)  # (q a row at a time: K = 256 left no registers for all of it)
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             ka = T.alloc_local((R,), acc)
             part = T.alloc_local((NP,), acc)
             tot = T.alloc_local((NP,), acc)
