@@ -7,7 +7,7 @@ loop of `--steps` steps (as generation runs it: no host dispatch a token). Print
 achieved bandwidth.
 
     python benchmarks/decode.py --ops gdn,simple_gla --batches 1,8,64 --dims 16x128x128,8x256x512
-    python build.py --experiments x_step_mb && python benchmarks/decode.py --alt x_step_mb --dims 16x128x128
+    python build.py --experiments x_step_mb && python benchmarks/decode.py --ops gla --alt x_step_mb --dims 16x128x128
 """
 
 from __future__ import annotations

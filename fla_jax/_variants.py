@@ -113,15 +113,15 @@ MB8: Final = (("min_blocks", 8),)
 # the delta rules' with a scalar gate.
 STEP: Final = dict(name="step", module="recurrent.step", builder="step", outputs=("o", "ht"))
 
-# The step program held to the registers that let more programs share an SM (`min_blocks`: 10, 6, 3 at K = 64, 128,
-# 256, the most without spills; GLA's gate rows spill there: 5 and 2), more of the states in flight: an experiment (`build.py --experiments x_step_mb`,
-# `benchmarks/decode.py --alt x_step_mb`).
-STEP_MB_BLOCKS: Final = {64: 10, 128: 6, 256: 3}
+# Held to the registers that let 10, 6, 3 programs share an SM at K = 64, 128, 256 (`min_blocks`, the most without
+# spills): more states in flight. Not GLA's, whose gate rows spill there (measured slower held to 5 and 2).
+STEP_BLOCKS: Final = {64: 10, 128: 6, 256: 3}
 
 
-def step_mb(K: int, *config, blocks: int | None = None) -> Program:
-    return Program(name="x_step_mb", of="step", module="recurrent.step", builder="step", outputs=("o", "ht"),
-                   config=(*config, ("min_blocks", blocks or STEP_MB_BLOCKS[K])))
+def steps_held(*config) -> tuple[Program, ...]:
+    """The step program at each head dim, held to `STEP_BLOCKS`."""
+    return tuple(Program(**STEP, config=(*config, ("min_blocks", n)), dims=(K,)) for K, n in STEP_BLOCKS.items())
+
 
 PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
     ("simple_gla", "fwd"): (
@@ -137,7 +137,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 dims=(64, 256)),
         # the forward split into pieces (`Config.split_programs`): what the pieces' entering states add to o, in place
         Program(name="enter", module="simple_gla.fwd", builder="chunk_fwd_enter", outputs=("o",)),
-        Program(**STEP),
+        *steps_held(),
     ),
     ("delta", "fwd"): (
         # use_qk_l2norm_in_kernel where no other kernel folds it in: q and k normalised in one pass each (r = 1 / |x|,
@@ -190,7 +190,7 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 dims=(256,)),
         Program(name="fused_t_l2_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("l2norm", True), ("BV", 32)), dims=(64, 128)),
-        Program(**STEP, config=(("delta", True),)),
+        *steps_held(("delta", True)),
     ),
     ("delta", "bwd"): (
         # the reverse pass: warp-specialized at K <= 128; in one warpgroup at K = 256 (two stages would not fit). Each
@@ -290,10 +290,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # state pass with V blocks of 128 (half the programs, q and k read once: jla's choice when
     # batch x heads > 32), with two stages (three dispatched). The state-gradient pass with V blocks
     # of 32 (twice the programs), and in one warpgroup.
-    ("gla", "fwd", "bf16", 256): (step_mb(256, ("gate_rows", True), blocks=2),),
-    ("simple_gla", "fwd", "bf16", 256): (step_mb(256),),
     ("gla", "fwd", "bf16", 128): (
-        step_mb(128, ("gate_rows", True), blocks=5),
+        # the step program held to five programs an SM, as the other ops' (`steps_held`; its gate rows spill there)
+        Program(**dict(STEP, name="x_step_mb", of="step"), config=(("gate_rows", True), ("min_blocks", 5))),
         Program(name="x_fused_bv128", of="fused", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "ht"), config=(("BV", 128),)),
         Program(name="x_fused_h_bv128", of="fused_h", module="gla.fwd", builder="chunk_gla_fwd", outputs=("o", "h", "ht"),
                 config=(("store_h", True), ("BV", 128))),
@@ -333,7 +332,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # each thread (the default before); T stored by TMA; the state pass in one
     # warpgroup (the default before the warp-specialized one)
     ("delta", "fwd", "bf16", 128): (
-        step_mb(128, ("delta", True)),
         # the training WY kernel with G and beta as columns loaded by each thread (dispatched before `g_rows`)
         Program(name="x_wy_t_l2_cols", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy",
                 outputs=("w", "u", "t", "yq", "yk", "rq", "rk"), config=WY_T_L2),
@@ -362,7 +360,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     ),
     # the inverse summing the gates per step itself (G_SCAN) at K = 64, and the training WY kernel so (as at 128)
     ("delta", "fwd", "bf16", 64): (
-        step_mb(64, ("delta", True)),
         Program(name="x_inv_l2_scan", of="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"),
                 config=(*INV_L2, *MB8, *G_SCAN)),
         Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
@@ -371,7 +368,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # at K = 256: the state pass with one stage of everything, and the WY inverse row by row (both the
     # default before)
     ("delta", "fwd", "bf16", 256): (
-        step_mb(256, ("delta", True)),
         # the training WY kernel normalising q and k too (no `norm` passes; `wy_t_l2` is dispatched at K <= 128 only),
         # and summing the gates (as x_wy_t_l2_scan at K <= 128: the same override puts it in place)
         Program(name="x_wy_t_l2_scan", of="wy_t_l2", module="delta.wy", builder="chunk_delta_wy", outputs=WY_T_L2_SCAN_OUTPUTS,
@@ -387,7 +383,6 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
     # the one-pass forward storing h in one warpgroup (the default before the warp-specialized one), with one
     # output warpgroup, with two and three stages
     ("simple_gla", "fwd", "bf16", 128): (
-        step_mb(128),
         # the gates per step summed by one warp of the loading warpgroup (G_SCAN: no cumulative sum or transpose left
         # to XLA, but the scan delays the next chunk's loads)
         Program(name="x_fused_scan", of="fused", module="simple_gla.fwd", builder="chunk_fwd_2out", outputs=("o", "ht"),

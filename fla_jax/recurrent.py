@@ -107,25 +107,26 @@ def _scan(delta: bool, reverse: bool, h0, xs, seq=None):
     return jnp.moveaxis(o, 0, 1), (S if seq is None else ht)
 
 
-# "auto" runs the step program where the states hold at least this many elements (B HV K V): there it measured faster
-# than XLA's step (which reads each state twice), below it slower (a few small programs, launch-bound), on the H100
-# (benchmarks/RESULTS.md, "Decode step"); `backend="tilelang"` runs the program at any size.
-AUTO_MIN_STATE: Final = 2**23
+# "auto" runs the step program (by its kind: "simple_gla", "gla", "delta") where the states hold at least this many
+# elements (B HV K V): there it measured faster than XLA's step (which reads each state twice), below it slower (a few
+# small programs, launch-bound; GLA's, not held to fewer registers, up to 2^24), on the H100 (benchmarks/RESULTS.md,
+# "Decode step"); `backend="tilelang"` runs the program at any size.
+AUTO_MIN_STATE: Final = {"simple_gla": 2**23, "delta": 2**23, "gla": 2**24}
 
 
-def auto_on_xla(states: int) -> str:
-    """Why "auto" runs a call that the step program takes on XLA: its states' elements `states` are too few."""
-    return (f"auto runs the recurrent ops on XLA where the states hold fewer than {AUTO_MIN_STATE} elements (B HV K V = "
-            f"{states}): XLA's step measured faster there (benchmarks/RESULTS.md); backend='tilelang' runs the step program")
+def auto_on_xla(op: str, states: int) -> str:
+    """Why "auto" runs a call that the step program `op` takes on XLA: its states' elements `states` are too few."""
+    return (f"auto runs the recurrent ops on XLA where the states hold fewer than {AUTO_MIN_STATE[op]} elements (B HV K V "
+            f"= {states}): XLA's step measured faster there (benchmarks/RESULTS.md); backend='tilelang' runs the step program")
 
 
-def _use_kernel(backend, name: str, why: str | None, states: int) -> bool:
+def _use_kernel(backend, name: str, why: str | None, op: str, states: int) -> bool:
     """Whether `backend` runs the call on the step program (`why`: why it cannot here, None where it can):
     "tilelang" or a `TileLangConfig` (an error naming the reason where it cannot); "auto" where it can and the
-    states hold at least `AUTO_MIN_STATE` elements (`states`); "xla" and "reference" never."""
+    states hold at least `AUTO_MIN_STATE[op]` elements (`states`); "xla" and "reference" never."""
     _backends._check_name(backend)
     if backend == "auto":
-        return why is None and states >= AUTO_MIN_STATE
+        return why is None and states >= AUTO_MIN_STATE[op]
     if not isinstance(backend, tilelang_backend.Config) and backend != "tilelang":
         return False
     if why is not None:
@@ -175,10 +176,10 @@ def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_sta
                                      gv=gv is not None, gate_rows=gk is not None and gk.ndim == 4)
     why = coverage or tilelang_backend.status()[1] or _programs.missing(op, str(q.dtype), K, tilelang_backend.registered())
     states = N * HV * K * V
-    kernel = _use_kernel(backend, name, why, states)
+    kernel = _use_kernel(backend, name, why, op, states)
     if (plans := ops.PLANS.get()) is not None:  # (`fla_jax.explain`)
         plans.append({"recurrent": name, "backend": "tilelang" if kernel else "xla", "asked": backend, "coverage": coverage,
-                      "here": why or auto_on_xla(states), "target": _programs.program(op, str(q.dtype), K) if coverage is None else None})
+                      "here": why or auto_on_xla(op, states), "target": _programs.program(op, str(q.dtype), K) if coverage is None else None})
     if kernel:
         g = jnp.zeros(v.shape[:3] if op != "gla" else q.shape, jnp.float32) if gk is None else gk.astype(jnp.float32)
         beta = None if beta is None else beta.astype(jnp.float32)

@@ -264,12 +264,12 @@ def test_step_program_glue_matches_float64(case, emulated, monkeypatch):
 def test_a_step_experiment_takes_the_programs_place(emulated, monkeypatch):
     """`TileLangConfig.experiments` puts a built experiment of the step program in its place (`decode.py --alt`)."""
     launched = _record_launches(monkeypatch)
-    case = Case("delta_rule", 2, 1, 2, 128, 128, dtype="bfloat16", h0=True, l2norm=True)
+    case = Case("gla", 2, 1, 2, 128, 128, dtype="bfloat16", h0=True)
     diff, _ = make_inputs(case, 4)
-    config = fla_jax.TileLangConfig(experiments=((("delta", "fwd", "step"), "x_step_mb"),))
+    config = fla_jax.TileLangConfig(experiments=((("gla", "fwd", "step"), "x_step_mb"),))
     o, ht = RECURRENT[case.op](**_kwargs(case, diff), backend=config)
     _, (ref_o, ref_ht) = reference_grads(case, diff, make_inputs(case, 4)[1])
-    assert launched == ["fla_delta_fwd_bf16_k128_v128_c64_x_step_mb"]
+    assert launched == ["fla_gla_fwd_bf16_k128_v128_c64_x_step_mb"]
     assert err_ratio(ref_o, o) < 5e-3 and err_ratio(ref_ht, ht) < 5e-3
 
 
@@ -370,7 +370,7 @@ def test_step_program_refusals_name_the_reason(emulated):
     gdn = lambda backend: fla_jax.explain(fla_jax.fused_recurrent_gated_delta_rule, q, k, v, g, beta=jax.nn.sigmoid(g),
                                           use_qk_l2norm_in_kernel=True, backend=backend)
     e = gdn("auto")
-    assert (e.backend, e.kernels_take_it, e.reason) == ("xla", True, recurrent.auto_on_xla(1 * 2 * 64 * 64)), e
+    assert (e.backend, e.kernels_take_it, e.reason) == ("xla", True, recurrent.auto_on_xla("delta", 1 * 2 * 64 * 64)), e
     assert "fewer than 8388608 elements (B HV K V = 8192)" in e.reason
     e = gdn("tilelang")
     assert (e.backend, e.reason, e.forward) == ("tilelang", None, ("fla_delta_fwd_bf16_k64_v64_c64_step",)), e
@@ -386,11 +386,12 @@ def test_explain_says_where_a_recurrent_call_runs():
     e = fla_jax.explain(fla_jax.fused_recurrent_gla, x(2, 1, 4, 128), x(2, 1, 4, 128), x(2, 1, 4, 256), x(2, 1, 4, 128))
     usable, why = fla_jax.backends()["tilelang"].usable, fla_jax.backends()["tilelang"].reason
     assert e.kernels_take_it and e.forward == ("fla_gla_fwd_bf16_k128_v128_c64_step",)
-    assert e.backend == "xla" and e.reason == (recurrent.auto_on_xla(2 * 4 * 128 * 256) if usable else why)
+    assert e.backend == "xla" and e.reason == (recurrent.auto_on_xla("gla", 2 * 4 * 128 * 256) if usable else why)
 
 
 def test_auto_runs_large_states_on_the_step_program(emulated):
-    """"auto" takes the step program from `AUTO_MIN_STATE` elements of state (B HV K V) up, and XLA's step below."""
+    """"auto" takes the step program from `AUTO_MIN_STATE` elements of state (B HV K V) up, and XLA's step below (GLA's
+    from twice as many)."""
     from fla_jax import recurrent
 
     x = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
@@ -400,5 +401,8 @@ def test_auto_runs_large_states_on_the_step_program(emulated):
                             x(B, 1, H, dt=jnp.float32), beta=x(B, 1, H, dt=jnp.float32), initial_state=x(B, H, 128, 128, dt=jnp.float32),
                             output_final_state=True)
         assert e.backend == want, e
-        assert (e.reason is None) if want == "tilelang" else e.reason == recurrent.auto_on_xla(B * H * 128 * 128)
-    assert recurrent.AUTO_MIN_STATE == 2**23
+        assert (e.reason is None) if want == "tilelang" else e.reason == recurrent.auto_on_xla("delta", B * H * 128 * 128)
+    gla = lambda B: fla_jax.explain(fla_jax.fused_recurrent_gla, x(B, 1, 16, 128), x(B, 1, 16, 128), x(B, 1, 16, 128),
+                                    x(B, 1, 16, 128, dt=jnp.float32)).backend
+    assert (gla(64), gla(32)) == ("tilelang", "xla")
+    assert recurrent.AUTO_MIN_STATE["delta"] == 2**23
