@@ -282,10 +282,9 @@ def test_step_program_matches_float64(case, monkeypatch):
     _step_against_float64(monkeypatch, case, fla_jax.TileLangConfig(poison_outputs=True), segments=case.T > 3)
 
 
-def _gdn_step(state, q, k, v, g, beta):
-    o, ht = fla_jax.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=state, output_final_state=True,
-                                                   use_qk_l2norm_in_kernel=True, backend="tilelang")
-    return o, ht
+def _gdn_step(state, q, k, v, g, beta, backend="tilelang"):
+    return fla_jax.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=state, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True, backend=backend)
 
 
 def _step_inputs(B=2, H=2, K=64, V=64, seed=0):
@@ -329,9 +328,7 @@ def test_the_step_program_updates_a_carried_state_in_place():
     hlo = loop.lower(state).compile().as_text()
     copies = [ln for ln in hlo.splitlines() if re.search(r"= f32\[4,4,128,128\]\{[^}]*\} copy\(", ln)]
     assert not copies, copies
-    xla_step = lambda s, *a: fla_jax.fused_recurrent_gated_delta_rule(*a[:3], a[3], beta=a[4], initial_state=s, output_final_state=True,
-                                                                      use_qk_l2norm_in_kernel=True, backend="xla")
-    want = jax.jit(functools.partial(decode, xla_step))(state)
+    want = jax.jit(functools.partial(decode, functools.partial(_gdn_step, backend="xla")))(state)
     got = loop(jnp.array(state))
     assert err_ratio(want, got) < 1e-5
     kept = jax.jit(lambda s: (_gdn_step(s, q, k, v, g, beta)[1], s + 0))(state)
