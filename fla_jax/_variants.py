@@ -164,32 +164,33 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("states_only", True), *G_ROWS, *ROW_FACTORS), dims=(64, 128)),
         # the forward with no gradient (`Config.delta_fwd_inverse`): the gate-free inverse alone, writing G and beta
         # as the rows of `gr [NT, HV, 2, C]` that the state pass loads by TMA, then a state pass that forms v_new from
-        # it with no w and u (jla's fused_fwd_wy)
+        # it with no w and u (jla's fused_fwd_wy). Its state passes take V on the grid (`GRID_V`): a call with V != K
+        # runs one inverse per value head for all of V (the gradient's programs take V in parts as value heads)
         Program(name="inv", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=INV),
         # at K <= 128 four warpgroups, the fourth forming the decay matrix, Ag and P (`prep`), and warpgroup 0 carrying
         # S^T (`transposed`: its GEMMs' left operands from registers, nothing on the chain waiting for a tile it wrote);
         # at K = 256 the state's registers leave no room for that: three warpgroups with one published tile each of
         # S^T and v_new^T and two load stages (jla's `fused_fwd_kb`)
         Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("transposed", True), ("col_factors", True)), dims=(64, 128)),
-        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t_wide", outputs=("o", "ht"), dims=(256,)),
+                config=(("transposed", True), ("col_factors", True), *GRID_V), dims=(64, 128)),
+        Program(name="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t_wide", outputs=("o", "ht"), config=GRID_V, dims=(256,)),
         # where V blocks of 64 leave half the SMs idle (few sequences and heads: `plan.delta_state_pass_t`):
         # V blocks of 32, twice the programs, warpgroup 0 carrying S (S^T [32, K] would be no tensor-core GEMM's left
         # operand: M >= 64)
         Program(name="fused_t_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("BV", 32),), dims=(64, 128)),
+                config=(("BV", 32), *GRID_V), dims=(64, 128)),
         # with use_qk_l2norm_in_kernel from the raw q and k: the inverse reads 1 / |k| off K K^T's diagonal (and 1 / |q|
         # off Q Q^T's) and writes both as two more rows of gr; the state pass scales rows by them. At K = 64 held to
         # eight programs an SM (faster there, not at 128)
         Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=(*INV_L2, *MB8), dims=(64,)),
         Program(name="inv_l2", module="delta.wy", builder="chunk_delta_wy", outputs=("t", "gr"), config=INV_L2, dims=(128, 256)),
         Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("transposed", True), ("l2norm", True), ("col_factors", True)),
+                config=(("transposed", True), ("l2norm", True), ("col_factors", True), *GRID_V),
                 dims=(64, 128)),
-        Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t_wide", outputs=("o", "ht"), config=(("l2norm", True),),
-                dims=(256,)),
+        Program(name="fused_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t_wide", outputs=("o", "ht"),
+                config=(("l2norm", True), *GRID_V), dims=(256,)),
         Program(name="fused_t_l2_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("l2norm", True), ("BV", 32)), dims=(64, 128)),
+                config=(("l2norm", True), ("BV", 32), *GRID_V), dims=(64, 128)),
         *steps_held(("delta", True)),
     ),
     ("delta", "bwd"): (
@@ -354,9 +355,9 @@ EXPERIMENTS: Final[dict[tuple[str, str, str, int], tuple[Program, ...]]] = {
         # the forward from T0 with the fourth warpgroup also forming k exp(G_C - G) so that warpgroup 0 updates the
         # state from the published v_new (`decay_k`): the fourth warpgroup becomes the bound
         Program(name="x_fused_t_kd", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
-                config=(("decay_k", True),)),
+                config=(("decay_k", True), *GRID_V)),
         # warpgroup 0 carrying S, not S^T (dispatched before)
-        Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht")),
+        Program(name="x_fused_t_prep", of="fused_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"), config=GRID_V),
     ),
     # the inverse summing the gates per step itself (G_SCAN) at K = 64, and the training WY kernel so (as at 128)
     ("delta", "fwd", "bf16", 64): (

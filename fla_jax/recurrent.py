@@ -179,7 +179,8 @@ def _run(delta, q, k, v, gk, gv, beta, *, scale, initial_state, output_final_sta
     kernel = _use_kernel(backend, name, why, op, states)
     if (plans := ops.PLANS.get()) is not None:  # (`fla_jax.explain`)
         plans.append({"recurrent": name, "backend": "tilelang" if kernel else "xla", "asked": backend, "coverage": coverage,
-                      "here": why or auto_on_xla(op, states), "target": _programs.program(op, str(q.dtype), K) if coverage is None else None})
+                      "here": why or auto_on_xla(op, states), "target": _programs.program(op, str(q.dtype), K, backend if isinstance(backend, tilelang_backend.Config) else None)
+                      if coverage is None else None})
     if kernel:
         g = jnp.zeros(v.shape[:3] if op != "gla" else q.shape, jnp.float32) if gk is None else gk.astype(jnp.float32)
         beta = None if beta is None else beta.astype(jnp.float32)

@@ -6,7 +6,8 @@ its forward and backward; what they share there (`plan`: every choice of program
 `runtime`: the extension; `config`: `Config`). This module is the backend's face: which calls the kernels
 take (`unsupported`, with the reason; `tiling` for K != V), `run`, and the custom VJP around the ops'
 forward and backward, each partitioned along batch and heads (`fla_jax._partition`). bf16/fp16, K up to
-256 and any V (`fla_jax._tiling`: the gated ops' programs take V on their grid, the delta rules' are square), dense
+256 and any V (`fla_jax._tiling`: the gated ops' programs take V on their grid, the delta rules' forward with no
+gradient too; their gradient's programs are square, V in parts as value heads), dense
 batches and `cu_seqlens`; "auto"
 falls back to `xla` for anything else, and says so (`fla_jax.explain`).
 """
@@ -76,7 +77,7 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     tables = () if cu_seqlens is None else _layout.chunk_ranges(cu_seqlens, C)
     tokens = (q, k, v, g32) + ((beta,) if p.delta else ())
     state = () if h0 is None else (h0.astype(jnp.float32),)
-    o, ht = _op(p, float(scale), l2norm, h0 is not None, *tokens, *state, *tables)
+    o, ht = _op(p, float(scale), l2norm, h0 is not None, t.v_parts, *tokens, *state, *tables)
     return _tiling.unfold(t, _layout.unpack(o, layout, T), ht)
 
 
@@ -193,12 +194,28 @@ def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2
     return _partition.batch_head_partitioned(fn, ins, outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _op(p, scale, l2norm, has_h0, *arrays):
+def _in_parts(parts: int, has_h0: bool, arrays: tuple) -> tuple:
+    """The delta rules' arrays with V in `parts` parts as value heads (`_tiling.split_parts`)."""
+    q, k, v, g, beta, *rest = arrays
+    h0, tables = (rest[0], rest[1:]) if has_h0 else (None, rest)
+    v, g, beta, h0 = _tiling.split_parts(parts, v=v, g=g, beta=beta, h0=h0)
+    return (q, k, v, g, beta, *((h0,) if has_h0 else ()), *tables)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _op(p, scale, l2norm, has_h0, parts, *arrays):
     """`(o, ht)` from (token arrays, h0 where `has_h0`, varlen tables); gradients by the backward
     kernels. The gates per step (their in-chunk sums are taken inside the forward and backward,
     `_forward` / `_backward`: by XLA, or by the kernel that reads them). With `l2norm` q and k (the first two arrays) are l2-normalised first:
-    by the kernels where `plan.folds_l2norm`, else by XLA."""
+    by the kernels where `plan.folds_l2norm`, else by XLA. `parts`: the delta rules' V blocks of K (`fla_jax._tiling`),
+    on the grid of the forward from the inverse, else (and under a gradient) in parts as value heads."""
+    if parts > 1 and not plan.delta_forward_from_inverse(p, arrays[0].shape[-1], False):
+        return _tiling.join_parts(parts, *_forward_call(p, scale, l2norm, has_h0, _in_parts(parts, has_h0, arrays)))
+    return _forward_call(p, scale, l2norm, has_h0, arrays)
+
+
+def _forward_call(p, scale, l2norm, has_h0, arrays):
+    """`_op`'s forward with no gradient on its arrays as they come."""
     n = len(_module(p).TOKENS)
     folded = l2norm and plan.folds_l2norm(p, arrays[0].shape[-1])
     if l2norm and not folded:
@@ -206,8 +223,8 @@ def _op(p, scale, l2norm, has_h0, *arrays):
     return _partitioned(p, scale, "fwd", len(arrays) > n + has_h0, folded, has_h0)(*arrays)
 
 
-def _op_fwd(p, scale, l2norm, has_h0, *arrays):
-    arrays = tuple(a.value for a in arrays)  # (`symbolic_zeros`: each a `CustomVJPPrimal`)
+def _op_fwd(p, scale, l2norm, has_h0, parts, *arrays):
+    arrays = _in_parts(parts, has_h0, tuple(a.value for a in arrays))  # (`symbolic_zeros`: each a `CustomVJPPrimal`)
     n = len(_module(p).TOKENS)
     norms = ()
     folded = l2norm and plan.folds_l2norm_h(p, arrays[0].shape[-1])
@@ -224,15 +241,19 @@ def _op_fwd(p, scale, l2norm, has_h0, *arrays):
         qn, kn, *norms = st.normed
         tokens = (qn, kn, *tokens[2:])
     res = Residuals(tokens=tokens, h=st.h, stored=st.stored, norms=tuple(norms), rows=st.rows, tables=tables)
-    return (st.o[0], st.ht[0]), res
+    return _tiling.join_parts(parts, st.o[0], st.ht[0]), res
 
 
-def _op_bwd(p, scale, l2norm, has_h0, res: Residuals, ct):
+def _op_bwd(p, scale, l2norm, has_h0, parts, res: Residuals, ct):
     do, dht = ct  # (`symbolic_zeros`: a `SymbolicZero` for an output the loss does not take)
     zero = lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     do = jnp.zeros(do.aval.shape, res.tokens[0].dtype) if zero(do) else do.astype(res.tokens[0].dtype)
-    dht = () if zero(dht) else (dht,)  # (then the reverse passes start from zeros themselves)
+    do, dht = _tiling.split_cotangents(parts, do, None if zero(dht) else dht)
+    dht = () if dht is None else (dht,)  # (then the reverse passes start from zeros themselves)
     grads = _partitioned(p, scale, "bwd", bool(res.tables), l2norm, has_h0, bool(res.rows), bool(dht))(*_flat(res), do, *dht)
+    if parts > 1:  # (the delta rules: dq, dk, dv, dg, dbeta, dh0)
+        dv, dg, dbeta, dh0 = _tiling.join_grads(parts, *grads[2:5], grads[5] if has_h0 else None)
+        grads = (*grads[:2], dv, dg, dbeta, *((dh0,) if has_h0 else ()))
     return (*grads, *(None for _ in res.tables))
 
 

@@ -386,6 +386,22 @@ def test_explain_says_where_a_recurrent_call_runs():
     assert e.backend == "xla" and e.reason == (recurrent.auto_on_xla("gla", 2 * 4 * 128 * 256) if usable else why)
 
 
+def test_explain_names_the_experiment_a_config_puts_in_place(emulated, monkeypatch):
+    """With `TileLangConfig.experiments` putting an experiment in the step program's place, explain names it, and it is
+    the program that runs."""
+    from fla_jax._tilelang import runtime
+
+    x = lambda *s: jnp.ones(s, jnp.bfloat16)
+    cfg = fla_jax.TileLangConfig(experiments=((("gla", "fwd", "step"), "x_step_mb"),))
+    args = (x(2, 1, 4, 128), x(2, 1, 4, 128), x(2, 1, 4, 256), jnp.zeros((2, 1, 4, 128), jnp.float32))
+    ran = []
+    launch = runtime.launch
+    monkeypatch.setattr(runtime, "launch", lambda p, target, *a: ran.append(target) or launch(p, target, *a))
+    e = fla_jax.explain(fla_jax.fused_recurrent_gla, *args, backend=cfg)
+    assert e.forward == ("fla_gla_fwd_bf16_k128_v128_c64_x_step_mb",), e.forward
+    assert set(ran) == set(e.forward), ran
+
+
 def test_auto_runs_large_states_on_the_step_program(emulated):
     """"auto" takes the step program from `AUTO_MIN_STATE` elements of state (B HV K V) up, and XLA's step below (GLA's
     from twice as many)."""

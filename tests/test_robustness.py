@@ -245,7 +245,8 @@ def test_explain_names_the_programs_and_the_reason():
     assert all(n.startswith("fla_delta_") and "_bf16_k128_v128_" in n for n in e.forward + e.training)
     wide = fla_jax.explain(fla_jax.chunk_gated_delta_rule, q, q, S((2, 256, 8, 256), jnp.bfloat16), g, g)
     assert wide.kernels_take_it and short(wide.training) == ["wy_t", "fused_h", "dh", "grads"], wide.training
-    assert wide.tiling == "K = 128, V = 256 on the K = V = 128 programs (V in 2 parts as value heads)", wide.tiling
+    assert wide.tiling == ("K = 128, V = 256 on the K = V = 128 programs (V on the forward's grid, in 2 parts as value heads "
+                           "under a gradient)"), wide.tiling
     assert wide.tiling in str(wide) and all("_k128_v128_" in n for n in wide.forward + wide.training)
     big = fla_jax.explain(fla_jax.chunk_gated_delta_rule, S((2, 256, 4, 320), jnp.bfloat16), S((2, 256, 4, 320), jnp.bfloat16), v, g, g)
     assert big.backend == "xla" and not big.kernels_take_it and big.forward == big.training == () and big.tiling is None

@@ -196,6 +196,7 @@ PIECE_GPU_CASES = [
     Case("gated_delta_rule", 1, 5000, 2, 128, 128, dtype="bfloat16", cu=(0, 0, 4000, 4100, 5000), h0=True, l2norm=True),
     Case("simple_gla", 1, 5000, 2, 64, 64, dtype="float16", cu=(0, 3000, 3000, 5000), norm=0.1),
     Case("gla", 1, 5000, 1, 128, 128, dtype="bfloat16", cu=(0, 100, 5000)),
+    Case("gated_delta_rule", 1, 3000, 1, 64, 256, HV=2, dtype="bfloat16", h0=True, l2norm=True),  # V on the forward's grid
 ]
 
 
@@ -300,9 +301,15 @@ def test_tilelang_delta_l2norm_gradient_passes(case):
     assert not bad, bad
 
 
+# V != K: the forward from the inverse with V on its state pass's grid (V blocks of 32 and of 64), the WY path in parts
+INVERSE_GPU_CASES = [*DELTA_GPU_CASES, Case("gated_delta_rule", 2, 1000, 4, 128, 256, dtype="bfloat16", h0=True, l2norm=True),
+                     Case("delta_rule", 1, 300, 2, 64, 256, HV=4, dtype="float16", cu=(0, 64, 64, 300), h0=True),
+                     Case("gated_delta_rule", 1, 700, 2, 256, 512, dtype="bfloat16", h0=True, l2norm=True, norm=0.1)]
+
+
 @on_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", DELTA_GPU_CASES, ids=str)
+@pytest.mark.parametrize("case", INVERSE_GPU_CASES, ids=str)
 def test_tilelang_delta_forward_from_the_inverse(case):
     """Both forwards with no gradient, `Config.delta_fwd_inverse` (the default: the gate-free inverse `inv`,
     then `fused_t`; with l2 normalisation `inv_l2` and `fused_t_l2`, which normalise q

@@ -220,6 +220,8 @@ PIECE_CASES = [
     Case("gated_delta_rule", 1, 700, 1, 64, 64, HV=2, dtype="bfloat16", cu=(0, 0, 100, 700), h0=True),
     Case("simple_gla", 1, 700, 1, 64, 64, dtype="bfloat16", cu=(0, 600, 600, 700), h0=True),
     Case("gla", 1, 700, 1, 64, 64, dtype="bfloat16", cu=(0, 130, 700)),
+    # V = 2K: the forward with no gradient with V on its grid (its identity map at V = K), in parts under a gradient
+    Case("gated_delta_rule", 1, 64 * 8 - 13, 1, 64, 128, HV=2, dtype="bfloat16", h0=True, l2norm=True),
 ]
 
 
@@ -239,7 +241,7 @@ def test_state_passes_in_pieces_match_float64(case, emulated, monkeypatch):
         return kernel_emulator.launch(p, target, results, named, *rest)
 
     monkeypatch.setattr(runtime, "launch", record)
-    for programs, pieces in ((0, 1), (4 * N * (case.HV or case.H), 4)):  # (a program per sequence and head at V = 64)
+    for programs, pieces in ((0, 1), (4 * N * (case.HV or case.H) * case.V // 64, 4)):  # (a program per V block of 64)
         seqs.clear()
         errs = errors_against_float64(case, 43, backend=Config(split_programs=programs, split_min_chunks=1))
         assert seqs and set(seqs) == {N * pieces}, (pieces, seqs)
@@ -724,15 +726,15 @@ TILED_CASES = [
 @pytest.mark.parametrize("case", TILED_CASES, ids=str)
 def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
     """K != V (and K, V off the built head dims): the gated ops with V on their programs' grid, the delta rules
-    on the square programs with V in parts as value heads, zeros padding the rest; outputs, the final state
-    and every gradient against the float64 recurrence (emulated; NaN-poisoned on the GPU:
-    test_tilelang_tiled_head_dims_match_float64)."""
+    with V on the grid of their forward with no gradient and in parts as value heads on the square programs
+    under a gradient, zeros padding the rest; outputs, the final state and every gradient against the float64
+    recurrence (emulated; NaN-poisoned on the GPU: test_tilelang_tiled_head_dims_match_float64)."""
     delta = case.op in ("delta_rule", "gated_delta_rule")
     p = Problem(op=case.op, delta=delta, chunk_size=64, dtype=case.dtype)
     call = dict(K=case.K, V=case.V, varlen=case.cu is not None, grouped=case.HV is not None, l2norm=case.l2norm)
     assert _backends.resolve("auto", p, **call).name == "tilelang"
     t = tilelang_backend.tiling(p, case.K, case.V)
-    assert (t.v_grid or not t.identity) and t.D in HEAD_DIMS
+    assert (t.v_grid or t.v_parts > 1 or not t.identity) and t.D in HEAD_DIMS
     diff, cot = make_inputs(case, 41)
     ref_g, (ref_o, ref_ht) = reference_grads(case, diff, cot)
     shapes = []
@@ -748,5 +750,9 @@ def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
     limit = lambda n: 2e-2 if n in ("dg", "dbeta") and delta else tol  # (fla's and the GPU suite's for the delta rules' gates)
     assert o.shape == ref_o.shape and ht.shape == ref_ht.shape
     assert all(e <= limit(n) for n, e in errs.items()), " ".join(f"{n} {e:.1e}" for n, e in errs.items())
+    shapes.clear()
     o2, ht2 = forward_outputs(case, "tilelang")(diff)  # the forward with no gradient (other programs)
     assert err_ratio(ref_o, o2) <= tol and err_ratio(ref_ht, ht2) <= tol
+    if delta:  # (V on the grid: one inverse per value head for all of V, no parts as heads)
+        assert {x["v"].shape[-2:] for _, x in shapes if "v" in x} == {(case.HV or case.H, t.Vp)}, shapes
+        assert {x["beta"].shape[-1] for _, x in shapes if "beta" in x} == {case.HV or case.H}, shapes

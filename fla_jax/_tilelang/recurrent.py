@@ -20,11 +20,14 @@ from fla_jax._variants import HEAD_DIMS, find
 V_BLOCK = 32  # the program's V block: V must be a multiple of it
 
 
-def program(op: str, dtype: str, K: int) -> str | None:
-    """The step program's FFI target for `op` ("simple_gla": a scalar gate, "gla": a gate per key channel,
-    "delta": the delta rules with a scalar gate), or None where none is built."""
-    v = find(op, "fwd", dtype, K, K)
-    return None if v is None else next((v.target(p) for p in v.programs if p.name == "step"), None)
+def program(op: str, dtype: str, K: int, config: Config | None = None) -> str | None:
+    """The FFI target of the step program that runs for `op` ("simple_gla": a scalar gate, "gla": a gate per key
+    channel, "delta": the delta rules with a scalar gate) under `config`: the dispatched one, or the experiment
+    `Config.experiments` puts in its place (`plan.targets`); None where none is built."""
+    if find(op, "fwd", dtype, K, K) is None:
+        return None
+    p = configured(Problem(op=op, delta=op == "delta", chunk_size=64, dtype=dtype), config)
+    return plan.targets(p, "fwd", K, K).get("step")
 
 
 def unsupported(op: str, *, dtype: str, K: int, V: int, varlen: bool, reverse: bool, gv: bool, gate_rows: bool) -> str | None:
@@ -83,7 +86,7 @@ def run(op: str, fallback, q, k, v, g, beta, h0, *, scale: float, l2norm: bool, 
     `[B, T, HV]` (delta rules) or None, h0 float32 `[B, HV, K, V]`. `fallback(q, k, v, g, beta, h0)` is the same
     function in XLA: its VJP is the gradient."""
     p = configured(Problem(op=op, delta=op == "delta", chunk_size=64, dtype=str(q.dtype)), config)
-    target = plan.targets(p, "fwd", q.shape[-1], q.shape[-1])["step"]  # (or an experiment `config` puts in its place)
+    target = program(op, p.dtype, q.shape[-1], config)
     part = _partitioned(p, target, float(scale), bool(l2norm), g.ndim == 4, beta is not None)
 
     @jax.custom_vjp

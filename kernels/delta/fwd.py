@@ -26,6 +26,8 @@ from kernels.common import (
     output_from_p,
     program,
     stage_loads,
+    v_tile,
+    v_tile_assumed,
 )
 
 
@@ -182,7 +184,7 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
 
 
 def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, decay_k: bool = False,
-                      transposed: bool = False, l2norm: bool = False, col_factors: bool = False):
+                      transposed: bool = False, l2norm: bool = False, col_factors: bool = False, grid_v: bool = False):
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
@@ -251,8 +253,12 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
 
     `col_factors` (with `transposed`): warpgroup 0 forms `exp(G) / |k|` and `exp(G_C - G) / |k|`
     once per column of its `[BV, BT]` fragments (16 of each per thread) rather than once per
-    element (32 each); the same bits."""
+    element (32 each); the same bits.
+
+    `grid_v`: V read off the buffers, any multiple of BV (the state is separable along V: each V block's columns
+    evolve on their own), so a call with V != K runs as it is, one inverse per value head for every V block."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    V = T.dynamic("V") if grid_v else V
     acc = "float32"
     stages = 2  # (one P tile per stage)
     if transposed and decay_k:
@@ -265,6 +271,8 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     @T.macro
     def body(q, k, v, t, gr, h0, cstart, ccount, scale, o, ht):
         with T.Kernel(T.ceildiv(V, BV), N * HV, threads=512) as (iv, inh):
+            if grid_v:
+                v_tile_assumed(V, BV)
             n = inh // HV
             ihv = inh % HV
             ih = ihv // (HV // H)
@@ -404,11 +412,12 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                             output_from_p(q_s, gq_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready,
                                           s_free, slot, t0, ihv, iv, scale, True, i // 2, transposed)
 
-    return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
+    func = _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
+    return v_tile(func, BV) if grid_v else func
 
 
 def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, l2norm: bool = False,
-                           col_factors: bool = True):
+                           col_factors: bool = True, grid_v: bool = False):
     """`chunk_delta_fwd_t` for wide keys (K = 256), where its four warpgroups and double-buffered
     published tiles do not fit: `S^T [BV, K]` in float32 takes 128 registers a thread of warpgroup
     0, two stages of q and k 128 KB of shared memory (jla's `fused_fwd_kb` at K = 256 is built so).
@@ -425,9 +434,10 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
 
     The published S^T and v_new^T have a barrier pair each, so warpgroup 0 rewrites `S^T` once
     warpgroup 1's `q S` of the chunk before has read it, and `v_new^T` once its `P v_new` has (jla
-    releases both after the last). 210 KB of shared memory at K = 256. `col_factors` as for
+    releases both after the last). 210 KB of shared memory at K = 256. `col_factors` and `grid_v` as for
     `chunk_delta_fwd_t`."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
+    V = T.dynamic("V") if grid_v else V
     acc = "float32"
     stages = 2
     R = 4 if l2norm else 2  # gr's rows: G, beta (, 1 / |q|, 1 / |k|)
@@ -435,6 +445,8 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
     @T.macro
     def body(q, k, v, t, gr, h0, cstart, ccount, scale, o, ht):
         with T.Kernel(T.ceildiv(V, BV), N * HV, threads=384) as (iv, inh):
+            if grid_v:
+                v_tile_assumed(V, BV)
             n = inh // HV
             ihv = inh % HV
             ih = ihv // (HV // H)
@@ -532,7 +544,8 @@ def chunk_delta_fwd_t_wide(*, K: int, V: int, dtype: str, BT: int = 64, BV: int 
                     T.copy(acc_o, o_s)
                     T.copy(o_s, o[t0 : t0 + BT, ihv, iv * BV : (iv + 1) * BV])
 
-    return _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
+    func = _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
+    return v_tile(func, BV) if grid_v else func
 
 
 def _t_loads(q, k, v, t, gr, q_s, k_s, v_s, t_s, gr_s, ih, ihv, iv):
