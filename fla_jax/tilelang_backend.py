@@ -195,7 +195,9 @@ def _partitioned_with(p: Problem, scale: float, direction: str, varlen: bool, l2
 
 
 def _in_parts(parts: int, has_h0: bool, arrays: tuple) -> tuple:
-    """The delta rules' arrays with V in `parts` parts as value heads (`_tiling.split_parts`)."""
+    """The delta rules' arrays with V in `parts` parts as value heads (`_tiling.split_parts`); as they are at 1."""
+    if parts == 1:
+        return arrays
     q, k, v, g, beta, *rest = arrays
     h0, tables = (rest[0], rest[1:]) if has_h0 else (None, rest)
     v, g, beta, h0 = _tiling.split_parts(parts, v=v, g=g, beta=beta, h0=h0)

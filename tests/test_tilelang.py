@@ -303,7 +303,7 @@ def test_tilelang_delta_l2norm_gradient_passes(case):
 
 # V != K: the forward from the inverse with V on its state pass's grid (V blocks of 32 and of 64), the WY path in parts
 INVERSE_GPU_CASES = [*DELTA_GPU_CASES, Case("gated_delta_rule", 2, 1000, 4, 128, 256, dtype="bfloat16", h0=True, l2norm=True),
-                     Case("delta_rule", 1, 300, 2, 64, 256, HV=4, dtype="float16", cu=(0, 64, 64, 300), h0=True),
+                     Case("gated_delta_rule", 1, 300, 2, 64, 256, HV=4, dtype="float16", cu=(0, 64, 64, 300), h0=True),
                      Case("gated_delta_rule", 1, 700, 2, 256, 512, dtype="bfloat16", h0=True, l2norm=True, norm=0.1)]
 
 
