@@ -13,9 +13,10 @@ heads (value head `j * v_parts + i` reads q/k head `j // (HV / H)`, as before), 
 (`join_parts`, `join_grads`).
 
 A K or V that is no multiple of its tile is padded with zeros, which change nothing (zero key channels write and
-read no state; zero value columns stay zero). The planner `tiling` is pure; `fold` / `unfold` are the reshapes
-around the kernels. They are plain XLA ops outside the kernels' custom VJP, so JAX differentiates them (the
-copies' gradients are summed, the padding's dropped).
+read no state; zero value columns stay zero). The planner `tiling` is pure; `fold` / `unfold` are the padding
+around the kernels, plain XLA ops outside the kernels' custom VJP, so JAX differentiates them (the padding's
+gradients dropped). The split into parts is inside the custom VJP (the forward with no gradient takes V whole), so
+its gradients are joined by hand: the copies' summed (`join_grads`).
 """
 
 from __future__ import annotations
