@@ -43,7 +43,7 @@ def test_fla_default_head_dims_run_on_the_kernels():
     for fn, a, kw in calls:
         e = fla_jax.explain(fn, *a, **kw)
         assert e.kernels_take_it and e.training, e
-    assert "V in 2 parts" in fla_jax.explain(gdn, *ga, **gkw).tiling
+    assert "in 2 parts as value heads under a gradient" in fla_jax.explain(gdn, *ga, **gkw).tiling
     with pytest.raises(ValueError, match="`expand_k` times head_dim"):
         GatedLinearAttention(32, 2, 16, expand_k=0.3, rngs=nnx.Rngs(0))
 
