@@ -1,11 +1,12 @@
 """Where a non-finite input reaches on a backend: NaN (or inf) in one step's q, k, v, gate or beta (head 0,
 step 40 of the first chunk), and whether outputs before it, or of the other head, change.
 
-    python benchmarks/probe_nonfinite.py [--backend tilelang] [--value nan]
+    python benchmarks/probe_nonfinite.py [--backend tilelang] [--value nan] [--guard]
 
 Prints one line per op and input: `causal` (nothing before the bad step or in the other head changed;
 the steps from it NaN, or for q that step alone) or what leaked. The xla backend's answer is tested
-(tests/test_robustness.py); this measures the kernels'.
+(tests/test_robustness.py); this measures the kernels' (`--guard`: with `TileLangConfig(nonfinite_guard=True)`,
+tested in tests/test_tilelang.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from cases import OPS, Case, make_inputs, static_kwargs  # noqa: E402
 TAKES = {"simple_gla": "qkvg", "gla": "qkvg", "delta_rule": ("q", "k", "v", "beta"), "gated_delta_rule": ("q", "k", "v", "g", "beta")}
 
 
-def probe(op: str, name: str, backend: str, value: float, dtype: str) -> str:
+def probe(op: str, name: str, backend, value: float, dtype: str) -> str:
     case = Case(op, 1, 130, 2, 64, 64, dtype=dtype, h0=True)
     diff, _ = make_inputs(case, 0)
     run = jax.jit(lambda d: OPS[op](**d, **static_kwargs(case), backend=backend))
@@ -50,10 +51,15 @@ def main():
     ap.add_argument("--backend", default="tilelang")
     ap.add_argument("--value", type=float, default=float("nan"))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--guard", action="store_true", help="the tilelang backend with nonfinite_guard=True")
     args = ap.parse_args()
+    if args.guard:
+        import fla_jax
+
+        args.backend = fla_jax.TileLangConfig(nonfinite_guard=True)
     for op, names in TAKES.items():
         for name in names:
-            print(f"{args.backend} {op:17s} {name:5s} {args.value}: {probe(op, name, args.backend, args.value, args.dtype)}", flush=True)
+            print(f"{'tilelang+guard' if args.guard else args.backend} {op:17s} {name:5s} {args.value}: {probe(op, name, args.backend, args.value, args.dtype)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fla_jax import _layout, _partition, _tiling, xla
+from fla_jax import _layout, _nonfinite, _partition, _tiling, xla
 from fla_jax._problem import Problem, l2_normalise
 from fla_jax._tilelang import common, delta, gla, plan, simple_gla
 from fla_jax._tilelang.config import DEFAULT, Config, Configured, configured
+from fla_jax._tilelang.config import of as config_of
 from fla_jax._tilelang.runtime import IMPORT_ERROR, registered, status
 from fla_jax._variants import HEAD_DIMS, find as _find_variant
 
@@ -62,7 +63,8 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens, *, scale: float, l2norm: b
     q and k are l2-normalised inside the op when asked (delta rules; `_op`). Tokens are laid
     out in chunk rows as for the xla backend (`fla_jax._layout`: every sequence starts at a chunk
     boundary, zeros in padding slots). The gates go in per step: the in-chunk cumulative sum is
-    taken inside the op (`_op`), by XLA or by the kernel that reads them (`g_scan`)."""
+    taken inside the op (`_op`), by XLA or by the kernel that reads them (`g_scan`). Non-finite inputs keep
+    the recurrence's causality within a chunk where `Config.nonfinite_guard` asks (`_forward`)."""
     p = configured(p, config)
     T = q.shape[1]
     C = p.chunk_size
@@ -150,7 +152,27 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     or with `store_h` the fields of `Stored` in order. `l2norm`: q and k raw, normalised by the kernels."""
     n = len(_module(p).TOKENS)
     tokens, h0, tables = arrays[:n], arrays[n] if has_h0 else None, arrays[n + has_h0 :]
-    return _module(p).forward(common.chunks(p, scale, store_h, l2norm, store_rows, tokens, h0, tables))
+    c = common.chunks(p, scale, store_h, l2norm, store_rows, tokens, h0, tables)
+    outs = _module(p).forward(c)
+    if not config_of(p).nonfinite_guard:
+        return outs
+    # Non-finite inputs keep the recurrence's causality (`fla_jax._nonfinite`): where the final states come out
+    # non-finite, o and ht again from the forward with no gradient on guarded tokens, poisoned (on each device
+    # by itself: no collective decides it); what the forward keeps for the backward stays as it came.
+    again = functools.partial(_forward_again, p, scale, l2norm, h0, tables)
+    seqs = _nonfinite.row_sequences(c.cstart, tokens[0].shape[1], c.C) if tables else ()
+    o, ht = _nonfinite.keep_causal(outs[0], outs[-1], again, tuple(tokens) + (None,) * (5 - n), *seqs)
+    return (o, *outs[1:-1], ht)
+
+
+def _forward_again(p: Problem, scale: float, l2norm: bool, h0, tables, tokens):
+    """`(o, ht)` of the forward with no gradient (`_forward`'s guard) on the token arrays `(q, k, v, g, beta)`,
+    q and k raw under `l2norm`."""
+    tokens = tokens[: len(_module(p).TOKENS)]
+    folded = l2norm and plan.folds_l2norm(p, tokens[0].shape[-1])
+    if l2norm and not folded:
+        tokens = (*(l2_normalise(x.astype(jnp.float32)).astype(x.dtype) for x in tokens[:2]), *tokens[2:])
+    return _module(p).forward(common.chunks(p, scale, False, folded, False, tokens, h0, tables))
 
 
 def _backward(p: Problem, scale: float, l2norm: bool, has_h0: bool, store_rows: bool, varlen: bool, has_dht: bool, *arrays):

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fla_jax import _layout
+from fla_jax import _layout, _nonfinite
 from fla_jax._problem import Problem
 
 _SUB = 16  # GLA sub-chunk
@@ -52,13 +52,11 @@ GATE_FLOOR = -110.0
 def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens):
     """Runs one op on the chunked pure-JAX path; arguments as `fla_jax._problem` describes.
 
-    Non-finite inputs keep the recurrence's causality (`_guard`): from the first step whose k, v,
-    beta or gate is NaN or infinite (a gate of -inf is a decay of zero, not an error) every output
-    of that sequence and head is NaN, and so is its final state; a non-finite q makes its own step's
-    output NaN. Outputs before such a step are exact, whatever shares their chunk."""
+    Non-finite inputs keep the recurrence's causality (`fla_jax._nonfinite`: the offending steps zeroed,
+    what follows them poisoned, around every call)."""
     T = q.shape[1]
     cdt = p.compute_dtype
-    (q, k, v, g, beta), bad_q, bad = _guard(*(None if x is None else x.astype(cdt) for x in (q, k, v, g, beta)))
+    (q, k, v, g, beta), bad_q, bad = _nonfinite.guard(*(None if x is None else x.astype(cdt) for x in (q, k, v, g, beta)))
     if g is not None:
         g = jnp.maximum(g, GATE_FLOOR)
     layout = _layout.make_layout(T, cu_seqlens, p.chunk_size)
@@ -68,38 +66,8 @@ def run(p: Problem, q, k, v, g, beta, h0, cu_seqlens):
         o, ht = _delta_core(p, q, k, v, g, beta, table, layout.seg)
     else:
         o, ht = _gated_core(p, q, k, v, g, table, layout.seg)
-    return _poison(_layout.unpack(o, layout, T), _layout.final_states(ht, layout), bad_q, bad, cu_seqlens)
-
-
-def _guard(q, k, v, g, beta):
-    """Inputs with every non-finite step zeroed, `bad_q [B, T, H]` (q not finite) and `bad [B, T, H]`
-    (k, v, beta or the gate not finite; a gate of -inf is finite here: a decay of zero)."""
-    nonfinite = lambda x, axes: jnp.any(~jnp.isfinite(x), axis=axes)
-    bad_q = nonfinite(q, -1)
-    bad = nonfinite(k, -1) | nonfinite(v, -1)
-    if beta is not None:
-        bad = bad | ~jnp.isfinite(beta)
-    if g is not None:
-        gbad = jnp.isnan(g) | (g == jnp.inf)
-        bad = bad | (jnp.any(gbad, axis=-1) if g.ndim == 4 else gbad)
-    zero = lambda x, m: None if x is None else jnp.where(m.reshape(m.shape + (1,) * (x.ndim - m.ndim)), 0, x)
-    return (zero(q, bad_q), zero(k, bad), zero(v, bad), zero(g, bad), zero(beta, bad)), bad_q, bad
-
-
-def _poison(o, ht, bad_q, bad, cu_seqlens):
-    """NaN in `o [B, T, H, V]` from each sequence's first bad step on (and at bad q), and in the final
-    states `[N, H, K, V]` of the sequences with one."""
-    T = o.shape[1]
-    t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
-    last_bad = lax.cummax(jnp.where(bad, t, -1), axis=1)  # the latest bad step at or before each step
-    if cu_seqlens is None:
-        poisoned, seq_bad = last_bad >= 0, jnp.any(bad, axis=1)  # [B, H] final states
-    else:
-        seq = _layout.token_sequences(cu_seqlens, T)
-        poisoned = last_bad >= cu_seqlens[seq][None, :, None]
-        seq_bad = jax.ops.segment_max(bad[0].astype(jnp.int32), seq, num_segments=cu_seqlens.shape[0] - 1) > 0  # (empty: < 0)
-    o = jnp.where((poisoned | bad_q)[..., None], jnp.asarray(jnp.nan, o.dtype), o)
-    return o, jnp.where(seq_bad[..., None, None], jnp.asarray(jnp.nan, ht.dtype), ht)
+    seqs = () if cu_seqlens is None else _nonfinite.token_sequences(cu_seqlens, T)
+    return _nonfinite.poison(_layout.unpack(o, layout, T), _layout.final_states(ht, layout), bad_q, bad, *seqs)
 
 
 # ----------------------------------------------------------------------------- layout helpers

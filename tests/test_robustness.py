@@ -123,6 +123,20 @@ def test_gates_of_zero_decay_are_exact(op, floor, backend):
 # ----------------------------------------------------------------------------- non-finite values
 
 
+def assert_causal(o0, ht0, o, ht, name, close=None):
+    """`(o, ht)` with a non-finite `name` at step 40 of head 0 against `(o0, ht0)` with none: the steps before it
+    and the other head as they were (`close(got, want)`; within 1e-6 where None), NaN from it on in head 0 (the
+    final state too), or at that step alone for q."""
+    close = close or (lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6))
+    close(o[0, :40], o0[0, :40])
+    close(o[0, :, 1], o0[0, :, 1])
+    close(ht[:, 1], ht0[:, 1])
+    if name == "q":
+        assert np.all(np.isnan(o[0, 40, 0])) and np.all(np.isfinite(o[0, 41:, 0])) and np.all(np.isfinite(ht))
+    else:
+        assert np.all(np.isnan(o[0, 40:, 0])) and np.all(np.isnan(ht[:, 0])), name
+
+
 def _bad_step(diff, name, t, value=np.nan, head=0):
     d = {n: a.copy() for n, a in diff.items()}
     d[name][0, t, head] = value
@@ -142,13 +156,7 @@ def test_non_finite_input_keeps_causality(op, name, backend):
     case, diff = _inputs(op)
     o0, ht0 = (np.asarray(x) for x in _call(case, diff, backend))
     o, ht = (np.asarray(x) for x in _call(case, _bad_step(diff, name, 40), backend))
-    np.testing.assert_allclose(o[0, :40], o0[0, :40], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(o[0, :, 1], o0[0, :, 1], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(ht[:, 1], ht0[:, 1], rtol=1e-6, atol=1e-6)
-    if name == "q":
-        assert np.all(np.isnan(o[0, 40, 0])) and np.all(np.isfinite(o[0, 41:, 0])) and np.all(np.isfinite(ht))
-    else:
-        assert np.all(np.isnan(o[0, 40:, 0])) and np.all(np.isnan(ht[:, 0]))
+    assert_causal(o0, ht0, o, ht, name)
 
 
 @pytest.mark.parametrize("backend", PURE)
@@ -161,6 +169,85 @@ def test_non_finite_input_stays_in_its_sequence(backend):
     np.testing.assert_allclose(o[0, 100:], o0[0, 100:], rtol=1e-6, atol=1e-6)
     assert np.all(np.isnan(o[0, 50:100, 0])) and np.all(np.isfinite(o[0, 50:100, 1]))
     assert np.all(np.isnan(ht[2, 0])) and np.all(np.isfinite(np.delete(ht, 2, axis=0)))
+
+
+class _NoGuard:
+    """`fla_jax._nonfinite` as the xla backend would see it with no guard: what the kernels' chunked form is
+    by itself (a later step's NaN reaches the earlier steps of its chunk through the masked products)."""
+
+    @staticmethod
+    def guard(q, k, v, g, beta):
+        none = jnp.zeros(v.shape[:3], bool)
+        return (q, k, v, g, beta), none, none
+
+    @staticmethod
+    def poison(o, ht, *_):
+        return o, ht
+
+    @staticmethod
+    def token_sequences(cu_seqlens, T):
+        return ()
+
+
+def _kept_causal(monkeypatch, case, guarded=True):
+    """The op as the kernels' backend runs it (`_nonfinite.keep_causal` around the call, q and k with H heads),
+    on the xla backend's chunked form with no guard of its own; `guarded=False`: that form alone."""
+    from fla_jax import _nonfinite, xla
+    from fla_jax._problem import Problem
+
+    monkeypatch.setattr(xla, "_nonfinite", _NoGuard)
+    p = Problem(op=case.op, delta=case.op in ("delta_rule", "gated_delta_rule"), chunk_size=64, dtype=case.dtype)
+    cu = None if case.cu is None else jnp.asarray(case.cu, jnp.int32)
+
+    def run(d):
+        def call(tokens):
+            q, k, v, g, beta = tokens
+            rep = lambda x: jnp.repeat(x, v.shape[2] // x.shape[2], axis=2)
+            return xla.run(p, rep(q), rep(k), v, g, beta, d["initial_state"], cu)
+
+        tokens = (d["q"], d["k"], d["v"], d.get("g"), d.get("beta"))
+        o, ht = call(tokens)
+        seqs = () if cu is None else _nonfinite.token_sequences(cu, T)
+        return _nonfinite.keep_causal(o, ht, call, tokens, *seqs) if guarded else (o, ht)
+
+    return run
+
+
+def _on(run, diff):
+    return tuple(np.asarray(x) for x in jax.jit(run)({n: jnp.asarray(a) for n, a in diff.items()}))
+
+
+@pytest.mark.parametrize("op,name", [(op, name) for op in ALL_OPS for name in TAKES[op]])
+def test_kept_causal_mends_a_chunked_form_that_leaks(op, name, monkeypatch):
+    """`keep_causal`, what the tilelang backend runs around the kernels: a chunked form that lets a NaN at step
+    40 reach steps 0..39 of its chunk (shown for v, so that the test can fail) comes out causal, NaN from the
+    step on in that head (or at that step alone for q); the other head untouched."""
+    case, diff = _inputs(op)
+    leaky, kept = _kept_causal(monkeypatch, case, guarded=False), _kept_causal(monkeypatch, case)
+    o0, ht0 = _on(kept, diff)
+    bad = _bad_step(diff, name, 40)
+    if name == "v":  # (every op's chunked form leaks a NaN v; some also a NaN k, beta or gate)
+        assert np.isnan(_on(leaky, bad)[0][0, :40, 0]).any()
+    o, ht = _on(kept, bad)
+    assert_causal(o0, ht0, o, ht, name)
+
+
+@pytest.mark.parametrize("name", ["k", "v", "beta"])
+def test_kept_causal_with_grouped_heads_and_sequences(name, monkeypatch):
+    """Grouped value heads (q, k with 2 heads, v with 4) and packed sequences: a bad v or beta poisons its
+    value head alone, a bad k both value heads of its group, and only from that step to its sequence's end;
+    the other sequences and heads as they were."""
+    case, diff = _inputs("gated_delta_rule", cu=(0, 37, 37, 100, T), HV=4)
+    kept = _kept_causal(monkeypatch, case)
+    o0, ht0 = _on(kept, diff)
+    o, ht = _on(kept, _bad_step(diff, name, 50))
+    heads = [0, 1] if name == "k" else [0]
+    others = [h for h in range(4) if h not in heads]
+    np.testing.assert_allclose(o[0, :50], o0[0, :50], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(o[0, 100:], o0[0, 100:], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(o[0, :, others], o0[0, :, others], rtol=1e-6, atol=1e-6)
+    assert np.all(np.isnan(o[0, 50:100][:, heads])) and np.all(np.isnan(ht[2][heads]))
+    assert np.all(np.isfinite(np.delete(ht, 2, axis=0))) and np.all(np.isfinite(ht[2][others]))
 
 
 # ----------------------------------------------------------------------------- smaller checks

@@ -756,3 +756,33 @@ def test_tiled_head_dims_match_float64(case, emulated, monkeypatch):
     if delta:  # (V on the grid: one inverse per value head for all of V, no parts as heads)
         assert {x["v"].shape[-2:] for _, x in shapes if "v" in x} == {(case.HV or case.H, t.Vp)}, shapes
         assert {x["beta"].shape[-1] for _, x in shapes if "beta" in x} == {case.HV or case.H}, shapes
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gla", "delta_rule", "gated_delta_rule"])
+def test_nonfinite_guard_keeps_causality(op, emulated):
+    """`TileLangConfig(nonfinite_guard=True)` on the glue (emulated programs): a NaN v or k at step 40 of a 64-step
+    chunk, forward alone and a training step's forward, leaves steps 0..39 as with clean input and poisons the
+    head from it on (the final state too); GDN also with grouped value heads, V in parts under a gradient and
+    packed sequences. Without the guard the chunked programs let the NaN v reach steps 0..39 (so that the test
+    can fail; on the GPU: test_tilelang_non_finite_input_keeps_causality)."""
+    from test_robustness import _bad_step
+
+    cases = [Case(op, 1, 130, 2, 64, 64, dtype="bfloat16", h0=True, l2norm=op.endswith("delta_rule"))]
+    if op == "gated_delta_rule":
+        cases.append(Case(op, 1, 130, 2, 64, 128, HV=4, dtype="bfloat16", cu=(0, 20, 20, 130), h0=True, l2norm=True))
+    for case in cases:
+        diff, _ = make_inputs(case, 5)
+        diff = {n: np.asarray(a) for n, a in diff.items()}
+        call = lambda cfg: lambda d: OPS[op](**d, **static_kwargs(case), backend=cfg)
+        f32 = lambda out: tuple(np.asarray(x, np.float32) for x in out)
+        guarded = tilelang_backend.Config(nonfinite_guard=True)
+        for run in (jax.jit(call(guarded)), jax.jit(lambda d: jax.vjp(call(guarded), d)[0])):
+            o0, ht0 = f32(run(diff))
+            for name in ("v", "k"):
+                o, ht = f32(run(_bad_step(diff, name, 40)))
+                np.testing.assert_allclose(o[0, :40], o0[0, :40], rtol=1e-2, atol=1e-2)
+                np.testing.assert_allclose(o[0, :, -1], o0[0, :, -1], rtol=1e-2, atol=1e-2)  # (another value head)
+                assert np.isnan(o[0, 40:, 0]).all(), (case, name)
+                assert np.isnan(ht[-1, 0]).all() and np.isfinite(ht[:, -1]).all(), (case, name)
+        o, _ = f32(jax.jit(call(tilelang_backend.Config()))(_bad_step(diff, "v", 40)))
+        assert np.isnan(o[0, :40, 0]).any(), case

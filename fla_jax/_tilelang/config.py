@@ -65,6 +65,12 @@ class Config:
     # Dot precision of the XLA parts of the delta-rule backward (`_delta_local`'s VJP, `_wy_vjp`, with the
     # switches above off): three bf16 passes with float32 accumulation (about 16 mantissa bits; no TF32).
     vjp_precision: jax.lax.DotAlgorithmPreset | jax.lax.Precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+    # Non-finite inputs keep the recurrence's causality (`fla_jax._nonfinite`): where a call's final states come
+    # out non-finite, its o and final states again from the forward with no gradient on inputs with the
+    # offending steps zeroed, poisoned from them on (a chunk's masked products otherwise carry a later step's
+    # NaN to its earlier steps). Off by default: the branch and what it may allocate cost 5-10 % of a forward,
+    # 1-3.5 % of a training step and up to ~60 % more step temp memory (benchmarks/RESULTS.md).
+    nonfinite_guard: bool = False
     # Tests: every kernel writes into NaN-filled buffers (`_call`), so an output element that a kernel
     # leaves unwritten shows up as NaN.
     poison_outputs: bool = False
