@@ -161,7 +161,8 @@ def _forward(p: Problem, scale: float, store_h: bool, l2norm: bool, has_h0: bool
     # by itself: no collective decides it); what the forward keeps for the backward stays as it came.
     again = functools.partial(_forward_again, p, scale, l2norm, h0, tables)
     seqs = _nonfinite.row_sequences(c.cstart, tokens[0].shape[1], c.C) if tables else ()
-    o, ht = _nonfinite.keep_causal(outs[0], outs[-1], again, tuple(tokens) + (None,) * (5 - n), *seqs)
+    tokens = tuple(tokens) + (None,) * (5 - n)  # (q, k, v, g, beta: no beta for the gated ops)
+    o, ht = _nonfinite.keep_causal(outs[0], outs[-1], again, tokens, *seqs)
     return (o, *outs[1:-1], ht)
 
 

@@ -68,8 +68,8 @@ class Config:
     # Non-finite inputs keep the recurrence's causality (`fla_jax._nonfinite`): where a call's final states come
     # out non-finite, its o and final states again from the forward with no gradient on inputs with the
     # offending steps zeroed, poisoned from them on (a chunk's masked products otherwise carry a later step's
-    # NaN to its earlier steps). Off by default: the branch and what it may allocate cost 5-10 % of a forward,
-    # 1-3.5 % of a training step and up to ~60 % more step temp memory (benchmarks/RESULTS.md).
+    # NaN to its earlier steps). Off by default: the branch on the final states costs a forward measurably, and
+    # the second run's buffers, planned whether it runs or not, raise a step's temp memory (benchmarks/RESULTS.md).
     nonfinite_guard: bool = False
     # Tests: every kernel writes into NaN-filled buffers (`_call`), so an output element that a kernel
     # leaves unwritten shows up as NaN.
