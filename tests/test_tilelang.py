@@ -681,17 +681,13 @@ def test_tilelang_gates_of_zero_decay(op, floor):
     assert not bad, bad
 
 
-# GLA's kernels take a NaN gate as a decay of zero (the fmaxf of `kernels/gla/fwd.py` `chunk_cumsum`): finite
-# outputs after it, so its final state stays finite and the guard does not run (benchmarks/RESULTS.md)
-_GLA_NAN_GATE = pytest.mark.xfail(strict=True, reason="GLA's kernels take a NaN gate as a decay of zero")
 def _close_by_ratio(got, want):
     """Within fla's ratio of `want` (the guard's second run is the forward with no gradient, whose programs round
     otherwise)."""
     assert err_ratio(want, got) < 5e-3, err_ratio(want, got)
 
 
-NON_FINITE_CASES = [pytest.param(op, name, marks=_GLA_NAN_GATE) if (op, name) == ("gla", "g") else (op, name)
-                    for op, names in TAKES.items() for name in names]
+NON_FINITE_CASES = [(op, name) for op, names in TAKES.items() for name in names]
 
 
 @on_hopper

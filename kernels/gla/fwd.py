@@ -59,7 +59,8 @@ def chunk_cumsum(g_s, threads):
     T.clear(run)
     for i in T.unroll(R):  # unrolled: the loads of later rows issue ahead of the running sum
         for b, c in T.Parallel(parts, K):
-            run[b, c] = run[b, c] + T.max(g_s[b * R + i, c], GATE_FLOOR)
+            # (fmaxf drops a NaN: sqrt(-1) puts it back, branch-free, so that it poisons what it touches)
+            run[b, c] = run[b, c] + T.max(g_s[b * R + i, c], GATE_FLOOR) + T.sqrt(-T.Cast("float32", T.isnan(g_s[b * R + i, c])))
             g_s[b * R + i, c] = run[b, c]
     for b in range(1, parts):  # block b after block b - 1 is final
         for i, c in T.Parallel(R, K):
