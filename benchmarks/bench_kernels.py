@@ -100,8 +100,11 @@ def programs(B, T, H, D, dtype="bfloat16", op="simple_gla", xla=True):
         }
         # the training forward's WY kernel (dispatched at K <= 128; an experiment at 256) and the consumer, where built
         calls["wy_t_l2"] = ((like(k), like(v), tm, like(q), like(k), col32, col32), (q, k, v, G, beta), {})
-        if D <= 128:  # (and the pass carrying states alone)
+        if D <= 128:  # (and the passes carrying states alone: under a gradient, and from the inverse with their maps)
             calls["fused_s"] = ((like(v), like(v), final), (q, k, w, u, gates("fwd", "fused_s"), h0, cstart, ccount), {"scale": s})
+            maps = (final, jax.ShapeDtypeStruct((B, H, D, D), jnp.float32))
+            calls["carry_t"] = (maps, (k, v, t, gr, cstart, ccount), {})
+            calls["carry_t_l2"] = (maps, (k, v, t_l2, gr_l2, cstart, ccount), {})
             calls["dqkvg_l2"] = ((like(q), like(k), split(G)), (q, k, v, G, h, do, h, r), {"scale": s})
         calls["wy_bwd_l2"] = ((like(k), like(v), col32, col32), (k, v, G, beta, Tm, h, u, k, r), {})
         if D <= 128:  # the consumer and the WY VJP in one program (G, beta and r as per-chunk rows; u standing in for du)

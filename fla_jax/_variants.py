@@ -191,6 +191,13 @@ PROGRAMS: Final[dict[tuple[str, str], tuple[Program, ...]]] = {
                 config=(("l2norm", True), *GRID_V), dims=(256,)),
         Program(name="fused_t_l2_v32", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("o", "ht"),
                 config=(("l2norm", True), ("BV", 32), *GRID_V), dims=(64, 128)),
+        # where few sequences and heads walk in pieces (`plan.pieces`), the passes from the inverse that carry states
+        # alone, in one launch (`carry`): each piece's state from zeros (`ht`) and its map of the state (`at`, from an
+        # identity state with the values zero: K / BV more blocks on the grid); no q, no P, no output
+        Program(name="carry_t", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("ht", "at"),
+                config=(("transposed", True), ("col_factors", True), ("carry", True), *GRID_V), dims=(64, 128)),
+        Program(name="carry_t_l2", module="delta.fwd", builder="chunk_delta_fwd_t", outputs=("ht", "at"),
+                config=(("transposed", True), ("l2norm", True), ("col_factors", True), ("carry", True), *GRID_V), dims=(64, 128)),
         *steps_held(("delta", True)),
     ),
     ("delta", "bwd"): (

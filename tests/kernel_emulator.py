@@ -351,6 +351,20 @@ def delta_fwd_fused_t_l2(q, k, v, t, gr, h0, cstart, ccount, *, scale):
     return delta_fwd_fused_t(norm(q, gr[:, :, 2]), norm(k, gr[:, :, 3]), v, t, gr[:, :, :2], h0, cstart, ccount, scale=scale)
 
 
+def _carry_t(fused_t):
+    def carry(k, v, t, gr, cstart, ccount):
+        """`chunk_delta_fwd_t(carry=True)`: each sequence's final state from zeros (`ht`, as `fused_t` from a zero
+        state) and its map of the state (`at [N, HV, K, K]`: `fused_t` from identity states with the values zero)."""
+        N, HV, K = cstart.shape[0], v.shape[1], k.shape[-1]
+        no_states = jnp.zeros((0, HV, K, v.shape[-1]), f32)
+        eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (N, HV, K, K))
+        ht = fused_t(k, k, v, t, gr, no_states, cstart, ccount, scale=1.0)[1]
+        at = fused_t(k, k, jnp.zeros((*v.shape[:2], K), v.dtype), t, gr, eye, cstart, ccount, scale=1.0)[1]
+        return ht, at
+
+    return carry
+
+
 def delta_fwd_fused(q, k, w, u, g, h0, cstart, ccount, *, scale):
     G = g
     o, vn, _, ht = delta_fwd_fused_h(q, k, w, u, G, h0, cstart, ccount, scale=scale)
@@ -528,6 +542,7 @@ def delta_bwd_grads_l2(q, k, v, vn, g, beta, t, h, do, dh, du, rq, rk, *, scale)
 
 
 DELTA_PROGRAMS = {"_inv": delta_inv, "_fused_t": delta_fwd_fused_t, "_inv_l2": delta_inv_l2, "_fused_t_l2": delta_fwd_fused_t_l2,
+                  "_carry_t": _carry_t(delta_fwd_fused_t), "_carry_t_l2": _carry_t(delta_fwd_fused_t_l2),
                   "_fused_t_v32": delta_fwd_fused_t, "_fused_t_l2_v32": delta_fwd_fused_t_l2, "_norm": l2norm_fwd, "_norm_bwd": l2norm_bwd, "_fused": delta_fwd_fused, "_fused_s": delta_fwd_fused_s, "_fused_h": delta_fwd_fused_h, "_dh": delta_bwd_dh, "_wy": delta_wy,
                   "_wy_t": delta_wy_t, "_wy_t_l2": delta_wy_t_l2, "_dqkvg": delta_bwd_dqkvg, "_dqkvg_l2": delta_bwd_dqkvg_l2,
                   "_wy_bwd": delta_wy_bwd, "_wy_bwd_l2": delta_wy_bwd_l2, "_grads": delta_bwd_grads, "_grads_l2": delta_bwd_grads_l2}

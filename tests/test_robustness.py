@@ -384,6 +384,7 @@ def test_the_planner_names_the_programs_a_call_lowers_to(op, shape, cu, kw):
             "chunk_gated_delta_rule": (x, x, v, g, g)}[op]
     extra = {} if cu is None else {"cu_seqlens": S((len(cu),), jnp.int32)}
     configs = [Config()] + ([Config(delta_grads_kernel=()), Config(delta_grads_kernel=(), delta_wy_bwd_kernel=False)] if "delta" in op and K == 128 else [])
+    configs += [Config(delta_carry_t=True)] if "delta" in op and K <= 128 else []
     fn = getattr(fla_jax, op)
     e = fla_jax.explain(fn, *args, **kw, **extra)
     assert str(e.plan) in str(e)

@@ -206,18 +206,20 @@ PIECE_GPU_CASES = [
 @pytest.mark.parametrize("case", PIECE_GPU_CASES, ids=str)
 def test_tilelang_state_passes_in_pieces(case):
     """Every op with its state passes walking each sequence in pieces (the default where programs are few) against
-    float64 under NaN-poisoned outputs, outputs and every gradient, and against the passes walking whole sequences
-    (`split_programs=0`)."""
+    float64 under NaN-poisoned outputs, outputs and every gradient, and with the passes walking whole sequences
+    (`split_programs=0`); the delta rules at K <= 128 also with the forward's pieces from `carry_t`."""
     N = case.B if case.cu is None else len(case.cu) - 1
     nt = (case.T + N * 63) // 64 // N
     assert plan.pieces(_problem.Problem(op=case.op, delta=False, chunk_size=64, dtype=case.dtype), N, case.HV or case.H, case.V, nt) > 1
     delta = case.op in ("delta_rule", "gated_delta_rule")
     limit = lambda n: (0.006 if n in ("o", "ht") else 0.02 if n in ("dbeta", "dg") else 0.008) if delta else 0.004 if n[0] in "oh" else 0.005
-    for programs in (132, 0):
-        errs = errors_against_float64(case, 19, backend=Config(poison_outputs=True, split_programs=programs))
-        print(case, programs, {n: f"{e:.1e}" for n, e in errs.items()})
+    configs = [Config(poison_outputs=True, split_programs=programs) for programs in (132, 0)]
+    configs += [Config(poison_outputs=True, delta_carry_t=True)] if delta and case.K <= 128 else []  # (the pieces' states from `carry_t`)
+    for cfg in configs:
+        errs = errors_against_float64(case, 19, backend=cfg)
+        print(case, cfg.split_programs, cfg.delta_carry_t, {n: f"{e:.1e}" for n, e in errs.items()})
         bad = {n: e for n, e in errs.items() if not e <= limit(n.split()[0])}
-        assert not bad, (programs, bad)
+        assert not bad, (cfg, bad)
 
 
 SUM_DOT_GPU_CASES = [GPU_CASES[6], GPU_CASES[8], SPLIT_GPU_CASES[0]]
@@ -598,6 +600,43 @@ def test_delta_states_only_pass_matches_the_full_pass(K, dtype):
     err = err_ratio(np.asarray(want[-1]), got[-1])
     print("fused_s", K, dtype, f"{err:.1e}")
     assert err <= 5e-3, err
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,l2", [(64, False), (128, True)])
+def test_delta_carry_pass_matches_two_state_passes(K, l2):
+    """`carry_t` (the forward from the inverse walking pieces: the pieces' states from zeros and their maps of the
+    state in one launch) against `fused_t` run twice on the same T0 and rows: from zero states (`ht`), and from
+    identity states with the values zeroed (the map `at`); 2 sequences, grouped value heads, V = 2K on the grid,
+    NaN-poisoned outputs. The same chain: equal up to float32 noise."""
+    p = _problem.Problem(op="gated_delta_rule", delta=True, chunk_size=64, dtype="bfloat16")
+    fwd = plan.targets(p, "fwd", K, K)
+    rng = np.random.default_rng(7)
+    L, H, HV, V, NT = 512, 2, 4, 2 * K, 8
+    x = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    q, k, v = x(L, H, K), x(L, H, K), x(L, HV, V)
+    if not l2:  # (unit rows, as the delta rules take k)
+        q, k = ((a / jnp.linalg.norm(a.astype(jnp.float32), axis=-1, keepdims=True)).astype(jnp.bfloat16) for a in (q, k))
+    G = jnp.cumsum(jnp.asarray(-np.abs(rng.standard_normal((NT, 64, HV))) * 0.1, jnp.float32), 1).reshape(L, HV)
+    beta = jnp.asarray(rng.uniform(0, 1, (L, HV)), jnp.float32)
+    cstart, ccount = jnp.asarray([0, 3], jnp.int32), jnp.asarray([3, 5], jnp.int32)
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    inv = "inv_l2" if l2 else "inv"
+    t, gr = jax.jit(lambda *a: _call(fwd[inv], (jax.ShapeDtypeStruct((NT, HV, 64, 64), jnp.bfloat16), f32(NT, HV, 4 if l2 else 2, 64)),
+                                     a))(*((q,) if l2 else ()), k, G, beta)
+    state_pass = fwd["fused_t_l2" if l2 else "fused_t"]
+    scale = {"scale": np.float32(K**-0.5)}
+    ht = jax.jit(lambda *a: _call(state_pass, (jax.ShapeDtypeStruct(v.shape, v.dtype), f32(2, HV, K, V)), a, scale))(
+        q, k, v, t, gr, jnp.zeros((0, HV, K, V), jnp.float32), cstart, ccount)[1]
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (2, HV, K, K))
+    zero = jnp.zeros((L, HV, K), jnp.bfloat16)
+    at = jax.jit(lambda *a: _call(state_pass, (jax.ShapeDtypeStruct(zero.shape, zero.dtype), f32(2, HV, K, K)), a, scale))(
+        q, k, zero, t, gr, eye, cstart, ccount)[1]
+    got = jax.jit(lambda *a: _call(fwd["carry_t_l2" if l2 else "carry_t"], (f32(2, HV, K, V), f32(2, HV, K, K)), a))(k, v, t, gr, cstart, ccount)
+    errs = {"ht": err_ratio(np.asarray(ht), got[0]), "at": err_ratio(np.asarray(at), got[1])}
+    print("carry_t", K, l2, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert all(e <= 1e-5 for e in errs.values()), errs
 
 
 @on_hopper

@@ -231,20 +231,28 @@ def test_state_passes_in_pieces_match_float64(case, emulated, monkeypatch):
     sequence in 4 pieces at once, forward (with and without a gradient) and reverse pass, each piece from the
     state the pieces before it leave (their decays, or the delta rules' map of an identity state): o, ht and
     every gradient against float64, dense (T not a multiple of 64) and varlen (short and empty sequences,
-    empty pieces); with the split off, a program walks each whole sequence."""
+    empty pieces); with the split off, a program walks each whole sequence; the delta rules' forward with no gradient
+    also with the pieces' states and maps from one program (`carry_t`)."""
     N = case.B if case.cu is None else len(case.cu) - 1
     seqs = []
+
+    carried = []
 
     def record(p, target, results, named, *rest):
         if "ccount" in named:  # (a state pass, forward or reverse)
             seqs.append(named["ccount"].shape[0])
+        carried.append("_carry_t" in target)
         return kernel_emulator.launch(p, target, results, named, *rest)
 
     monkeypatch.setattr(runtime, "launch", record)
-    for programs, pieces in ((0, 1), (4 * N * (case.HV or case.H) * case.V // 64, 4)):  # (a program per V block of 64)
+    runs = [(0, 1, False), (4 * N * (case.HV or case.H) * case.V // 64, 4, False)]  # (a program per V block of 64)
+    runs += [(runs[1][0], 4, True)] if case.op.endswith("delta_rule") else []  # (the forward's pieces' states from `carry_t`)
+    for programs, pieces, carry in runs:
         seqs.clear()
-        errs = errors_against_float64(case, 43, backend=Config(split_programs=programs, split_min_chunks=1))
+        carried.clear()
+        errs = errors_against_float64(case, 43, backend=Config(split_programs=programs, split_min_chunks=1, delta_carry_t=carry))
         assert seqs and set(seqs) == {N * pieces}, (pieces, seqs)
+        assert any(carried) == carry, (carry, carried)
         tol = 1e-2 if case.op in ("delta_rule", "gated_delta_rule") else 5e-3
         assert all(e <= tol for e in errs.values()), (pieces, errs)
 

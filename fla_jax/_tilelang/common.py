@@ -181,7 +181,8 @@ def gate_sums(c: Chunks):
     return G, in_chunk_rows(graw, c.C) if config.of(c.p).gate_sum_dot else None
 
 
-def state_pass(c: Chunks, ins: dict, extra: int = 0, *, name: str | None = None, light=None, totals=None, values: str | None = None):
+def state_pass(c: Chunks, ins: dict, extra: int = 0, *, name: str | None = None, light=None, totals=None, values: str | None = None,
+               carry=None):
     """The forward state pass (`fused`, or under a gradient `fused_h`, storing h): `(o, *extra, *h, ht)` with
     o as the pass writes it (`Chunks.unflat` puts it back in chunk rows), h `[B, NT_b, HV, K, V]` and
     `extra` per-token results like v beside o (the delta rules' v_new). `ins`: its token inputs by name, as it takes them.
@@ -190,7 +191,9 @@ def state_pass(c: Chunks, ins: dict, extra: int = 0, *, name: str | None = None,
     (`split_pass`); the pieces' transitions are the gates' decays, `totals` (each chunk's sum of the gates
     `[NT, HV(, K)]`), or for the delta rules the pass's own map of an identity state (`values`: the name of the
     values among `light`'s inputs). `light`: `(name, inputs)` of a pass writing no h (`fused`) for the
-    pieces' other passes, under a gradient. `name`: the program (`fused` / `fused_h` where None)."""
+    pieces' other passes, under a gradient. `carry`: `(name, inputs)` of a program that gives both the pieces' states
+    from zeros and their maps in one launch (the delta rules' forward from the inverse, `plan.delta_carry_t`).
+    `name`: the program (`fused` / `fused_h` where None)."""
     name = name or ("fused_h" if c.store_h else "fused")
     light = light or (name, ins)
     targets_ = c.targets()
@@ -217,9 +220,14 @@ def state_pass(c: Chunks, ins: dict, extra: int = 0, *, name: str | None = None,
             eye = jnp.broadcast_to(jnp.eye(c.K, dtype=jnp.float32), (first.shape[0], c.HV, c.K, c.K))
             return run(prog, inputs, eye, first, count, V=c.K)[-1], False
 
-        local = lambda first, count: run(light[0], light[1], _no_states(c.h0), first, count)[-1]
-        out = split_pass(lambda states, first, count: run(name, ins, states, first, count), local, transition, c.cstart,
-                         c.ccount, c.h0, P)
+        def maps(first, count):  # (A, diagonal, b)
+            if carry is not None:
+                f32 = lambda *shape: jax.ShapeDtypeStruct((first.shape[0], c.HV, *shape), jnp.float32)
+                b, A = runtime.call(c.p, targets_[carry[0]], (f32(c.K, c.V), f32(c.K, c.K)), **carry[1], cstart=first, ccount=count)
+                return A, False, b
+            return (*transition(first, count), run(light[0], light[1], _no_states(c.h0), first, count)[-1])
+
+        out = split_pass(lambda states, first, count: run(name, ins, states, first, count), maps, c.cstart, c.ccount, c.h0, P)
     n = 1 + extra
     h = tuple(x.reshape(c.B, c.NT // c.B, *x.shape[1:]) for x in out[n:-1])
     return (out[0], *out[1:n], *h, out[-1])
@@ -253,17 +261,17 @@ def piece_decays(totals, first, count):
     return jnp.exp(jnp.einsum("pc,c...->p...", inside, totals.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST))
 
 
-def split_pass(run, local, transition, cstart, ccount, s0, P: int, reverse: bool = False):
-    """A state pass over P pieces of every sequence: `local(first, count)` each piece's b (the state at
-    its far end from a zero state), `transition(first, count)` `(A, diagonal)`, then `run(states, first,
-    count)` from the states entering the pieces (`reverse`: the cotangents at their ends); its results but
-    the last, then that per sequence `[N, ...]` (the far piece's, as the pass wrote it). `s0`: the first
+def split_pass(run, maps, cstart, ccount, s0, P: int, reverse: bool = False):
+    """A state pass over P pieces of every sequence: `maps(first, count)` each piece's map of the state
+    `(A, diagonal, b)` (b: the state at its far end from a zero state), then `run(states, first, count)`
+    from the states entering the pieces (`reverse`: the cotangents at their ends); its results but the
+    last, then that per sequence `[N, ...]` (the far piece's, as the pass wrote it). `s0`: the first
     piece's state, no rows where there is none (zeros)."""
     N = cstart.shape[0]
     first, count = piece_tables(cstart, ccount, P)
     per_seq = lambda x: x.reshape(N, P, *x.shape[1:])
-    A, diag = transition(first, count)
-    into, _ = _pieces.fold(per_seq(A), per_seq(local(first, count)), s0 if s0.shape[0] else None, diag, reverse)
+    A, diag, b = maps(first, count)
+    into, _ = _pieces.fold(per_seq(A), per_seq(b), s0 if s0.shape[0] else None, diag, reverse)
     out = run(into.reshape(N * P, *into.shape[2:]), first, count)
     return (*out[:-1], per_seq(out[-1])[:, 0 if reverse else -1])
 
@@ -368,8 +376,9 @@ def reverse_pass(b: Reverse, ins, extra: int = 0, *, totals=None, transition=Non
     if P == 1:
         return runtime.call(b.p, target, (like(b.hf), b.dh0_like, *(like(vf),) * extra), **ins, dht=b.dht, cstart=b.cstart,
                             ccount=b.ccount, scale=b.s)
-    trans = (lambda first, count: (piece_decays(totals, first, count), True)) if totals is not None else \
-        (lambda first, count: (transition(first, count), False))
-    local = lambda first, count: run(_no_states(b.dht), first, count)[-1]
-    dh, *rest, dh0 = split_pass(run, local, trans, b.cstart, b.ccount, b.dht, P, reverse=True)
+    def maps(first, count):  # (A, diagonal, b)
+        A = piece_decays(totals, first, count) if totals is not None else transition(first, count)
+        return A, totals is not None, run(_no_states(b.dht), first, count)[-1]
+
+    dh, *rest, dh0 = split_pass(run, maps, b.cstart, b.ccount, b.dht, P, reverse=True)
     return (dh, dh0 if b.dh0_like.shape[0] else dh0[:0], *rest)

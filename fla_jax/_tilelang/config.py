@@ -39,6 +39,12 @@ class Config:
     # programs (one per V block of 64, sequence and value head) number at most half this (the H200's SMs),
     # V blocks of 32 (`fused_t_v32`, `fused_t_l2_v32`: twice the programs). 0 switches it off.
     delta_narrow_programs: int = 132
+    # The forward from the inverse walking pieces (`split_programs`): each piece's state from zeros and its map of the
+    # state (from an identity state) by one program that carries states alone (`carry_t`, K <= 128: no q, no P, no
+    # output, k and T0 read once for both), instead of two passes of the state pass's own program. Off until it has
+    # run on a GPU (built 2026-12-08 with no device lent: tests/test_tilelang.py `test_delta_carry_pass_*` and the
+    # pieces' tests with it on, then benchmarks/RESULTS.md, decide the default).
+    delta_carry_t: bool = False
     # use_qk_l2norm_in_kernel folded into the kernels: under a gradient the normalisation's gradient in the
     # backward's consumer (`dqkvg_l2`, K <= 128) and WY VJP (`wy_bwd_l2`) instead of a `norm_bwd` pass per
     # tensor, the normalisation in the WY kernel (`wy_t_l2`) instead of a `norm` pass per tensor; without a

@@ -58,7 +58,9 @@ def forward(c: common.Chunks):
             t0, gr = runtime.call(p, targets[inv], (t0, rows(2)), k=kf, g=gates, beta=beta)
         N = c.cstart.shape[0]
         ins = dict(q=qf, k=kf, v=vf, t=t0, gr=gr)
-        o, ht = common.state_pass(c, ins, name=plan.delta_state_pass_t(p, targets, c.l2norm, N, c.HV, c.V, NT // N), values="v")
+        carry = plan.delta_carry_t(p, targets, c.l2norm)  # (walking pieces: their states and maps in one launch)
+        o, ht = common.state_pass(c, ins, name=plan.delta_state_pass_t(p, targets, c.l2norm, N, c.HV, c.V, NT // N), values="v",
+                                  carry=(carry, dict(k=kf, v=vf, t=t0, gr=gr)) if carry else None)
         return o.reshape(c.B, c.Lr, c.HV, c.V), ht
     assert not c.l2norm or c.store_h, "the forward with no gradient normalises q and k itself only from the inverse"
     like = common.like

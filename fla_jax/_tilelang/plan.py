@@ -125,6 +125,14 @@ def delta_state_pass_t(p: Problem, targets: dict, l2norm: bool, N: int, HV: int,
     return narrow if narrow in targets and 2 * programs <= config.of(p).delta_narrow_programs else name
 
 
+def delta_carry_t(p: Problem, targets: dict, l2norm: bool) -> str | None:
+    """The delta rules' forward from the inverse, walking pieces: the program giving the pieces' states from zeros
+    and their maps of the state in one launch (`Config.delta_carry_t`, K <= 128), or None (two passes of the state
+    pass's own program)."""
+    name = "carry_t_l2" if l2norm else "carry_t"
+    return name if config.of(p).delta_carry_t and name in targets else None
+
+
 def folds_l2norm(p: Problem, K: int) -> bool:
     """Whether the forward with no gradient normalises q and k in its kernels (the inverse and the
     state pass from it, `inv_l2`, `fused_t_l2`), rather than after XLA's pass."""
@@ -197,7 +205,8 @@ def plan(p: Problem, *, K: int, V: int, N: int, HV: int, nt: int, l2norm: bool, 
     if p.delta:
         if delta_forward_from_inverse(p, K, False):
             l2 = l2norm and folds_l2norm(p, K)
-            forward = ("inv_l2" if l2 else "inv", delta_state_pass_t(p, fwd, l2, N, HV, K, nt))
+            carry_t = delta_carry_t(p, fwd, l2) if P_fwd > 1 else None
+            forward = ("inv_l2" if l2 else "inv", *((carry_t,) if carry_t else ()), delta_state_pass_t(p, fwd, l2, N, HV, K, nt))
         else:  # (q and k normalised by XLA before the kernels where asked)
             forward = ("wy", "fused")
         l2h = l2norm and folds_l2norm_h(p, K)

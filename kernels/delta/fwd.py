@@ -184,7 +184,8 @@ def chunk_delta_fwd(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, s
 
 
 def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64, decay_k: bool = False,
-                      transposed: bool = False, l2norm: bool = False, col_factors: bool = False, grid_v: bool = False):
+                      transposed: bool = False, l2norm: bool = False, col_factors: bool = False, grid_v: bool = False,
+                      carry: bool = False):
     """The forward (no gradient) from the gate-free inverse `T0` (`kernels/delta/wy.py`
     `chunk_delta_wy(inverse_only=True)`) instead of w and u, which never exist in HBM: jla's
     `fused_fwd_wy` and FlashQLA's forward. With `Ag = T0 * exp(G_i - G_j) * beta_j` (j <= i, the
@@ -256,7 +257,13 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     element (32 each); the same bits.
 
     `grid_v`: V read off the buffers, any multiple of BV (the state is separable along V: each V block's columns
-    evolve on their own), so a call with V != K runs as it is, one inverse per value head for every V block."""
+    evolve on their own), so a call with V != K runs as it is, one inverse per value head for every V block.
+
+    `carry` (with `transposed`, `grid_v`): the passes over pieces of a sequence that carry states alone, both in one
+    launch (`fla_jax._tilelang.common.state_pass`): the first V / BV blocks of the grid take the V blocks of v from
+    zero states (`ht`), K / BV more take zero values from the identity's columns (the piece's map of the state,
+    `at [N, HV, K, K]`). No q is loaded, no P formed, no o written: warpgroup 1 idles and warpgroup 0 waits on
+    nothing but the stage and Ag; the chain's bits are those of the pass. Inputs k, v, T0, gr and the tables."""
     L, H, HV, N, NT = T.dynamic("L, H, HV, N, NT")
     V = T.dynamic("V") if grid_v else V
     acc = "float32"
@@ -269,10 +276,11 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
     vt = (BV, BT) if transposed else (BT, BV)  # v_new's
 
     @T.macro
-    def body(q, k, v, t, gr, h0, cstart, ccount, scale, o, ht):
-        with T.Kernel(T.ceildiv(V, BV), N * HV, threads=512) as (iv, inh):
+    def body(q, k, v, t, gr, h0, cstart, ccount, scale, o, ht, at=None):
+        with T.Kernel(T.ceildiv(V, BV) + (K // BV if carry else 0), N * HV, threads=512) as (iv, inh):
             if grid_v:
                 v_tile_assumed(V, BV)
+            nv = V // BV  # (with `carry`, the first nv blocks are v's, the rest the map's)
             n = inh // HV
             ihv = inh % HV
             ih = ihv // (HV // H)
@@ -287,6 +295,9 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             # warpgroup 0's column factors (transposed; row factors with S) per element or, with col_factors,
             # read from the fragments fe, fd it fills once per chunk
             col_e, col_d = ((lambda slot, c: fe[c]), (lambda slot, c: fd[c])) if col_factors else (grow, decay)
+            value = lambda slot, c, r: T.cast(v_s[slot, c, r], acc)  # (v^T's element; zero in a map's block)
+            if carry:
+                value = lambda slot, c, r: T.if_then_else(iv < nv, T.cast(v_s[slot, c, r], acc), 0.0)
             h_s0 = T.alloc_shared(st, dtype)
             h_s1 = T.alloc_shared(st, dtype)
             vn_s0 = T.alloc_shared(vt, dtype)
@@ -312,7 +323,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             if decay_k:
                 kd_s = T.alloc_shared((stages, BT, K), dtype)  # k exp(G_C - G)
             full = T.alloc_barrier([128] * stages)  # a stage's loads landed (producer threads + TMA bytes)
-            free = T.alloc_barrier([256] * stages)  # warpgroups 0 and 1 are done with a stage
+            free = T.alloc_barrier([128 if carry else 256] * stages)  # warpgroups 0 and 1 are done with a stage
             ag_ready = T.alloc_barrier([128] * stages)  # the stage's Ag is written
             s_ready0 = T.alloc_barrier([128])  # warpgroup 0 published S and v_new in buffer 0
             s_free0 = T.alloc_barrier([128])  # warpgroup 1 has read them
@@ -322,43 +333,58 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
             c0 = cstart[n]
             nc = ccount[n]
             with T.ws(3):
-                stage_loads(_t_loads(q, k, v, t, gr, q_s, k_s, v_s, t_s, gr_s, ih, ihv, iv), full, free, nc, stages, c0, 1)
+                if carry:  # no q; a map's block loads v's last block, unused
+                    loads = _t_loads(k, k, v, t, gr, q_s, k_s, v_s, t_s, gr_s, ih, ihv, T.min(iv, nv - 1))[1:]
+                else:
+                    loads = _t_loads(q, k, v, t, gr, q_s, k_s, v_s, t_s, gr_s, ih, ihv, iv)
+                stage_loads(loads, full, free, nc, stages, c0, 1)
             with T.ws(2):
                 T.set_max_nreg(136, 1)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
+                    if carry:  # (see below)
+                        T.sync_threads(12, 128)
                     _ag_in_place(t_s, acc_s, acc_d, G, Bt, slot)
                     if decay_k:
                         for r, c in T.Parallel(BT, K):
                             kd_s[slot, r, c] = T.cast(T.cast(k_s[slot, r, c], acc) * T.exp(G(slot, BT - 1) - G(slot, r)), dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(ag_ready[slot])
-                    T.clear(acc_s)
-                    T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
-                    for r, c in T.Parallel(BT, BT):
-                        acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale * pf(slot, r, c)
-                    for r in T.Parallel(BT):  # the output warpgroup's exponent, G (+ log 1 / |q|)
-                        gq_s[slot, r] = G(slot, r) + (T.log(gr_s[slot, 2, r]) if l2norm else 0.0)
-                    if slot == 0:
-                        T.copy(acc_s, p_s)
-                    else:
-                        T.copy(acc_s, p_s1)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(p_ready[slot])
+                    if carry:  # (barriers of this warpgroup alone, for TileLang's sync planner: without them it
+                        # synced the whole block before and after this warpgroup's, as where no product follows Ag)
+                        T.sync_threads(12, 128)
+                    if not carry:  # (P, and the output warpgroup's exponent)
+                        T.clear(acc_s)
+                        T.gemm(q_s[slot, :, :], k_s[slot, :, :], acc_s, transpose_B=True)
+                        for r, c in T.Parallel(BT, BT):
+                            acc_s[r, c] = acc_s[r, c] * acc_d[r, c] * scale * pf(slot, r, c)
+                        for r in T.Parallel(BT):  # the output warpgroup's exponent, G (+ log 1 / |q|)
+                            gq_s[slot, r] = G(slot, r) + (T.log(gr_s[slot, 2, r]) if l2norm else 0.0)
+                        if slot == 0:
+                            T.copy(acc_s, p_s)
+                        else:
+                            T.copy(acc_s, p_s1)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(p_ready[slot])
             with T.ws(0):
                 T.set_max_nreg(200, 1)
-                initial_state(h0, b_h, n, ihv, iv, transposed)
+                if carry:  # zeros, or the identity's columns in a map's block (S^T)
+                    for r, c in T.Parallel(BV, K):
+                        b_h[r, c] = T.if_then_else(c == (iv - nv) * BV + r, 1.0, 0.0)
+                else:
+                    initial_state(h0, b_h, n, ihv, iv, transposed)
                 for i in T.serial(nc):
                     slot = i % stages
                     T.barrier_wait(full[slot], (i // stages) % 2)
                     for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):  # buffer i % 2, written out once per parity
                         if i % 2 == j:
-                            if i >= 2:  # warpgroup 1 has read this buffer's tiles of chunk i - 2
+                            if i >= 2 and not carry:  # warpgroup 1 has read this buffer's tiles of chunk i - 2
                                 T.barrier_wait(s_free[0], (i // 2 + 1) % 2)
                             if transposed:  # W^T = v^T - (S^T k^T) Diag(exp(G)), in registers
                                 T.copy(b_h, s_lo)
-                                T.copy(s_lo, h_s)
+                                if not carry:
+                                    T.copy(s_lo, h_s)
                                 T.clear(acc_v)
                                 T.gemm(s_lo, k_s[slot, :, :], acc_v, transpose_B=True)
                                 if col_factors:
@@ -366,7 +392,7 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                         fe[c] = grow(slot, c)
                                         fd[c] = decay(slot, c)
                                 for r, c in T.Parallel(BV, BT):
-                                    x_t[r, c] = T.cast(T.cast(v_s[slot, c, r], acc) - acc_v[r, c] * col_e(slot, c), dtype)
+                                    x_t[r, c] = T.cast(value(slot, c, r) - acc_v[r, c] * col_e(slot, c), dtype)
                             else:  # W = v - exp(G) (k S), through shared memory
                                 T.copy(b_h, h_s)
                                 T.clear(acc_v)
@@ -380,9 +406,10 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                                 T.gemm(x_t, t_s[slot, :, :], acc_v, transpose_B=True)
                             else:
                                 T.gemm(t_s[slot, :, :], w_s, acc_v)
-                            T.copy(acc_v, vn_s)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(s_ready[0])
+                            if not carry:
+                                T.copy(acc_v, vn_s)
+                                T.fence_proxy_async()
+                                T.barrier_arrive(s_ready[0])
                             if decay_k:  # S <- exp(G_C) S + kd^T v_new, from the published v_new
                                 for r, c in T.Parallel(K, BV):
                                     b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
@@ -400,19 +427,34 @@ def chunk_delta_fwd_t(*, K: int, V: int, dtype: str, BT: int = 64, BV: int = 64,
                             b_h[r, c] = b_h[r, c] * T.exp(G(slot, BT - 1))
                         T.gemm(k_s[slot, :, :], vd_s, b_h, transpose_A=True)
                     T.barrier_arrive(free[slot])
-                final_state(b_h, ht, n, ihv, iv, transposed)
+                if not carry:
+                    final_state(b_h, ht, n, ihv, iv, transposed)
+                elif iv < nv:
+                    final_state(b_h, ht, n, ihv, iv, transposed)
+                else:
+                    final_state(b_h, at, n, ihv, iv - nv, transposed)
             with T.ws(1):
-                T.set_max_nreg(136, 1)
-                for i in T.serial(nc):
-                    slot = i % stages
-                    t0 = (c0 + i) * BT
-                    T.barrier_wait(p_ready[slot], (i // stages) % 2)
-                    for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
-                        if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
-                            output_from_p(q_s, gq_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready,
-                                          s_free, slot, t0, ihv, iv, scale, True, i // 2, transposed)
+                if carry:  # (no output: idle)
+                    T.set_max_nreg(24, 0)
+                else:
+                    T.set_max_nreg(136, 1)
+                    for i in T.serial(nc):
+                        slot = i % stages
+                        t0 = (c0 + i) * BT
+                        T.barrier_wait(p_ready[slot], (i // stages) % 2)
+                        for j, (h_s, vn_s, s_ready, s_free) in enumerate(bufs):
+                            if i % 2 == j:  # two stages: chunk i's P is in stage j's tile
+                                output_from_p(q_s, gq_s, h_s, vn_s, (p_s, p_s1)[j], acc_o, o_s, o, free, s_ready,
+                                              s_free, slot, t0, ihv, iv, scale, True, i // 2, transposed)
 
-    func = _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
+    if carry:  # k, v, T0 and gr in; each piece's state from zeros (`ht`) and its map (`at`) out
+        assert transposed and grid_v, "carry is written for the transposed chain taking V on the grid"
+        acc_t = lambda *shape: T.Tensor(shape, acc)
+        func = program(body, q=None, k=T.Tensor((L, H, K), dtype), v=T.Tensor((L, HV, V), dtype), t=T.Tensor((NT, HV, BT, BT), dtype),
+                       gr=acc_t(NT, HV, R, BT), h0=None, cstart=T.Tensor((N,), "int32"), ccount=T.Tensor((N,), "int32"), scale=None,
+                       o=None, ht=acc_t(N, HV, K, V), at=acc_t(N, HV, K, K)).with_attr("fla.disable_shared_memory_reuse", 1)
+    else:
+        func = _t_prim_func(body, K=K, V=V, dtype=dtype, BT=BT, R=R, dims=(L, H, HV, N, NT))
     return v_tile(func, BV) if grid_v else func
 
 
