@@ -6,7 +6,8 @@
 #   PART=xlong   every op at 1 x 131072 x 16 x 128, ours and jla (jla's compile there takes minutes)
 #   PART=memory  the step's temp memory at 2^18 .. 2^20 tokens (long_memory.py; MEMOPS, LOGT)
 #   PART=carry   the delta rules' forward with the pieces' states and maps from `carry_t` (`Config.delta_carry_t`, off
-#                until this has run): its GPU tests, its programs under the three sanitizers, then the forward with it
+#                until this has run): its GPU tests (and the non-finite inputs' tests, GLA's NaN gate among them, owed
+#                since 2026-12-07), its programs under the three sanitizers, then the forward with it
 #                (`@carry`) against the default and jla (carry [".whl", "fla_jax/_ext.abi3.so", ".prof"]; sanitize.sh prep first)
 # Rows are printed as each op and shape is done (JSON lines), so a call cut short keeps them; logs under $OUT.
 set -u
@@ -27,7 +28,8 @@ case "${PART:-tests}" in
     bench few 110 --ops gdn,delta_rule,simple_gla,gla --shapes 1x32768x4x64,2x8192x2x64 \
       --impls fla_jax:tilelang,jla:mosaic_gpu --rounds 2 ;;
   carry)
-    timeout 200 python3 -m pytest -q tests/test_tilelang.py -k "carry_pass or (state_passes_in_pieces and delta)" 2>&1 | tail -4 | tee "$O/tests.txt"
+    timeout 240 python3 -m pytest -q tests/test_tilelang.py -k "carry_pass or (state_passes_in_pieces and delta) or non_finite" 2>&1 \
+      | tail -6 | tee "$O/tests.txt"
     MATCH=carry_t LIMIT=40 bash benchmarks/sanitize.sh 2>&1 | tail -4
     bench carry 230 --alt carry=+delta_carry_t --ops gdn,delta_rule --shapes 1x32768x16x128,1x32768x4x64,2x8192x2x64 \
       --impls fla_jax:tilelang,fla_jax:tilelang@carry,jla:mosaic_gpu --rounds 2 ;;
