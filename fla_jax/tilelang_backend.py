@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from fla_jax import _layout, _nonfinite, _partition, _tiling, xla
 from fla_jax._problem import Problem, l2_normalise
 from fla_jax._tilelang import common, delta, gla, plan, simple_gla
-from fla_jax._tilelang.config import DEFAULT, Config, Configured, configured
-from fla_jax._tilelang.config import of as config_of
+from fla_jax._tilelang.config import DEFAULT, Config, Configured, configured, of as config_of
 from fla_jax._tilelang.runtime import IMPORT_ERROR, registered, status
 from fla_jax._variants import HEAD_DIMS, find as _find_variant
 
